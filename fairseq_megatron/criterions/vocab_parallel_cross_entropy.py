@@ -1,0 +1,40 @@
+"""The ``vocab_parallel_cross_entropy`` criterion: fairseq's cross_entropy on sharded logits."""
+
+from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
+
+from fairseq_megatron.modules.vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
+from fairseq_megatron.registry import take_over_criterion
+
+
+@take_over_criterion("vocab_parallel_cross_entropy", CrossEntropyCriterionConfig)
+class VocabParallelCrossEntropyCriterion(CrossEntropyCriterion):
+    """Summed token cross entropy (nats), computed from each rank's
+    ``(B, T, V / N)`` logits without gathering the vocabulary.
+
+    Same loss, ``sample_size`` (tokens, or sentences with ``--sentence-avg``),
+    logging outputs and base-2 metrics as fairseq's ``cross_entropy``
+    (``fairseq/criterions/cross_entropy.py``), which it subclasses. Padding
+    targets are ignored. Mirrors fairseq's
+    ``model_parallel/criterions/vocab_parallel_cross_entropy.py``.
+    Works with any model whose forward accepts ``gather_logits=False``
+    (``model_parallel_transformer_lm``).
+    """
+
+    def compute_loss(self, model, net_output, sample, reduce=True):
+        target = model.get_targets(sample, net_output)
+        group = model.decoder.tensor_model_parallel_group
+        loss = vocab_parallel_cross_entropy(net_output[0], target, ignore_index=self.padding_idx, group=group)
+        loss = loss.sum() if reduce else loss.view(-1)
+        return loss, loss
+
+    def forward(self, model, sample, reduce=True):
+        net_output = model(**sample["net_input"], gather_logits=False)
+        loss, _ = self.compute_loss(model, net_output, sample, reduce=reduce)
+        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
+        logging_output = {
+            "loss": loss.data,
+            "ntokens": sample["ntokens"],
+            "nsentences": sample["target"].size(0),
+            "sample_size": sample_size,
+        }
+        return loss, sample_size, logging_output

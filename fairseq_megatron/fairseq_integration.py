@@ -1,0 +1,163 @@
+"""Everything the plugin changes in an installed fairseq 0.12, in one place.
+
+Called once by ``import fairseq_megatron`` (which ``--user-dir`` triggers in
+every process, before fairseq initialises torch.distributed). Each step fixes
+one fact listed in the project's FAIRSEQ_FACTS.md:
+
+1. :func:`_provide_mpu` -- registers :mod:`fairseq_megatron.mpu` as
+   ``fairseq.model_parallel.megatron.mpu``, the module fairseq imports when
+   ``--model-parallel-size > 1`` (no pip release ships the git submodule).
+2. :func:`_enable_megatron_trainer` -- ``fairseq_cli/train.py`` imported
+   ``MegatronTrainer`` before any user dir, so its "submodule present" flag is
+   already False; set it and bind the names it failed to import.
+3. :func:`_launch_on_cpu` -- torchrun on a CPU-only machine: fairseq divides
+   by ``torch.cuda.device_count()`` (ZeroDivisionError), ignores torchrun's
+   WORLD_SIZE unless ``--distributed-world-size`` repeats it, and defaults to
+   the NCCL backend.
+4. :func:`_trusted_checkpoint_loading` -- torch >= 2.6 loads with
+   ``weights_only=True``; fairseq checkpoints hold argparse/omegaconf objects.
+   fairseq's checkpoint loader (only it) again loads full pickles. **Only load
+   checkpoints you trust** (your own, or the published Megatron-11b files):
+   unpickling can run code.
+5. :func:`_eval_lm_shards_by_data_parallel_rank` -- ``fairseq-eval-lm`` shards
+   the data by global rank, so the ranks of one model-parallel group would
+   see different batches. With model parallelism the shards follow the
+   data-parallel rank instead: every token is scored once, by a whole group.
+"""
+
+import functools
+import logging
+import os
+import sys
+import types
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_INSTALLED = False
+_TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+
+
+def install() -> None:
+    """Apply all integration steps (idempotent)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _provide_mpu()
+    _enable_megatron_trainer()
+    _launch_on_cpu()
+    _trusted_checkpoint_loading()
+    _eval_lm_shards_by_data_parallel_rank()
+    _INSTALLED = True
+
+
+def _provide_mpu() -> None:
+    import fairseq.model_parallel
+
+    from fairseq_megatron import mpu
+
+    package = types.ModuleType("fairseq.model_parallel.megatron")
+    package.__path__ = []  # a namespace with one submodule, mpu
+    package.mpu = mpu
+    sys.modules["fairseq.model_parallel.megatron"] = package
+    sys.modules["fairseq.model_parallel.megatron.mpu"] = mpu
+    fairseq.model_parallel.megatron = package
+
+
+def _enable_megatron_trainer() -> None:
+    from fairseq.model_parallel import megatron_trainer
+
+    from fairseq_megatron import mpu
+
+    for name in (
+        "get_data_parallel_group",
+        "get_data_parallel_rank",
+        "get_data_parallel_world_size",
+        "get_model_parallel_group",
+        "get_model_parallel_src_rank",
+        "get_cuda_rng_tracker",
+    ):
+        setattr(megatron_trainer, name, getattr(mpu, name))
+    megatron_trainer.has_megatron_submodule = True
+
+
+def _launch_on_cpu() -> None:
+    from fairseq.distributed import utils as dist_utils
+
+    def infer_torch_distributed_launch_init(cfg):
+        """fairseq's torchrun branch, minus the division by the GPU count."""
+        cfg.distributed_init_method = "env://"
+        cfg.distributed_world_size = int(os.environ["WORLD_SIZE"])
+        cfg.distributed_rank = int(os.environ["RANK"])
+        n_gpus = torch.cuda.device_count()
+        local_rank = int(os.environ.get("LOCAL_RANK", cfg.distributed_rank))
+        # On CPU the device id must stay 0: fairseq calls cuda.set_device(id) if id > 0.
+        cfg.device_id = local_rank % n_gpus if n_gpus > 0 else 0
+        cfg.distributed_no_spawn = True
+
+    original_infer_init_method = dist_utils.infer_init_method
+
+    @functools.wraps(original_infer_init_method)
+    def infer_init_method(cfg, force_distributed=False):
+        launched_by_torchrun = all(k in os.environ for k in _TORCHRUN_VARS)
+        if launched_by_torchrun and cfg.distributed_init_method is None:
+            cfg.distributed_world_size = int(os.environ["WORLD_SIZE"])
+        if not torch.cuda.is_available() and cfg.distributed_backend == "nccl":
+            cfg.distributed_backend = "gloo"  # NCCL needs GPUs
+        return original_infer_init_method(cfg, force_distributed)
+
+    dist_utils._infer_torch_distributed_launch_init = infer_torch_distributed_launch_init
+    dist_utils.infer_init_method = infer_init_method
+
+
+class _TorchWithTrustedLoad(types.ModuleType):
+    """Stands in for ``torch`` inside ``fairseq.checkpoint_utils`` only:
+    ``torch.load`` defaults to ``weights_only=False`` there."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def load(f, *args, **kwargs):
+        kwargs.setdefault("weights_only", False)
+        return torch.load(f, *args, **kwargs)
+
+
+def _trusted_checkpoint_loading() -> None:
+    from fairseq import checkpoint_utils
+
+    if not isinstance(checkpoint_utils.torch, _TorchWithTrustedLoad):
+        checkpoint_utils.torch = _TorchWithTrustedLoad()
+
+
+def _eval_lm_shards_by_data_parallel_rank() -> None:
+    import torch.distributed as dist
+    from fairseq.tasks.language_modeling import LanguageModelingTask
+
+    from fairseq_megatron import parallel_state
+
+    original = LanguageModelingTask.eval_lm_dataloader
+
+    @functools.wraps(original)
+    def eval_lm_dataloader(self, dataset, *args, num_shards=1, shard_id=0, **kwargs):
+        if (
+            parallel_state.model_parallel_is_initialized()
+            and parallel_state.get_tensor_model_parallel_world_size() > 1
+            and num_shards == dist.get_world_size()
+            and shard_id == dist.get_rank()
+        ):
+            num_shards = parallel_state.get_data_parallel_world_size()
+            shard_id = parallel_state.get_data_parallel_rank()
+            if num_shards > 1:
+                logger.warning(
+                    "eval-lm: %d model-parallel groups each score 1/%d of the data; "
+                    "each group reports the perplexity of its own shard",
+                    num_shards, num_shards,
+                )
+        return original(self, dataset, *args, num_shards=num_shards, shard_id=shard_id, **kwargs)
+
+    LanguageModelingTask.eval_lm_dataloader = eval_lm_dataloader

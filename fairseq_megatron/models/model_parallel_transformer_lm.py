@@ -1,0 +1,192 @@
+"""Tensor-model-parallel Transformer language model and the Megatron architectures.
+
+Registered under fairseq's own names (``model_parallel_transformer_lm``,
+``transformer_lm_megatron``, ``transformer_lm_megatron_11b``; see
+:mod:`fairseq_megatron.registry`), so the Megatron-11b recipe and checkpoints
+work unchanged. State-dict keys and per-rank shapes are those of fairseq's
+``model_parallel/models/transformer_lm.py`` + ``transformer.py``.
+"""
+
+import logging
+from typing import Optional
+
+import torch.nn as nn
+import torch.nn.functional as F
+from fairseq.models.transformer import TransformerConfig, TransformerDecoder
+from fairseq.models.transformer_lm import TransformerLanguageModel, base_lm_architecture
+from fairseq.utils import safe_getattr
+
+from fairseq_megatron import parallel_state
+from fairseq_megatron.checkpoint_activations import checkpoint_wrapper
+from fairseq_megatron.modules import (
+    ColumnParallelLinear,
+    ModelParallelTransformerDecoderLayer,
+    VocabParallelEmbedding,
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+)
+from fairseq_megatron.registry import take_over_model, take_over_model_architecture
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TARGET_POSITIONS = 1024
+
+
+def vocab_padding_multiple(model_parallel_size: int) -> int:
+    """fairseq pads the dictionary to a multiple of ``8 * model_parallel_size``
+    when it builds the model (so the padded size depends on the MP size)."""
+    return 8 * model_parallel_size
+
+
+@take_over_model("model_parallel_transformer_lm")
+class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
+    """Decoder-only LM whose layers are split across the tensor-model-parallel group.
+
+    Build with fairseq (``--arch transformer_lm_megatron_11b
+    --model-parallel-size N``). Forward: ``src_tokens`` ``(B, T)`` ->
+    logits ``(B, T, V)`` on every rank (gathered), or ``(B, T, V / N)`` with
+    ``gather_logits=False`` (what the vocab-parallel criterion asks for).
+
+    Raises (from ``build_model``):
+        ValueError: heads, FFN size or embedding size not divisible by the
+            model-parallel size; the checkpoint's ``model_parallel_size``
+            differs from the running group size.
+        NotImplementedError: adaptive input/softmax or character embeddings.
+    """
+
+    @staticmethod
+    def add_args(parser):
+        TransformerLanguageModel.add_args(parser)
+
+    @classmethod
+    def build_model(cls, args, task):
+        base_lm_architecture(args)
+        group_size = parallel_state.get_tensor_model_parallel_world_size()
+        wanted = int(safe_getattr(args, "model_parallel_size", 1) or 1)
+        if wanted != group_size:
+            raise ValueError(
+                f"the model is configured for model-parallel size {wanted} but this run's "
+                f"model-parallel group has {group_size} rank(s); pass --model-parallel-size "
+                f"{group_size} with a checkpoint saved at that size (or reshard the checkpoint)"
+            )
+        if args.character_embeddings or args.adaptive_input or args.adaptive_softmax_cutoff:
+            raise NotImplementedError(
+                "character embeddings, adaptive input and adaptive softmax are not model parallel"
+            )
+        if args.decoder_layers_to_keep:
+            args.decoder_layers = len(args.decoder_layers_to_keep.split(","))
+        if safe_getattr(args, "max_target_positions", None) is None:
+            args.max_target_positions = safe_getattr(args, "tokens_per_sample", DEFAULT_MAX_TARGET_POSITIONS)
+
+        multiple = vocab_padding_multiple(group_size)
+        task.source_dictionary.pad_to_multiple_(multiple)
+        task.target_dictionary.pad_to_multiple_(multiple)
+
+        embed_tokens = cls.build_embedding(args, task.source_dictionary, args.decoder_input_dim)
+        decoder = ModelParallelTransformerDecoder(args, task.target_dictionary, embed_tokens)
+        return cls(decoder)
+
+    @classmethod
+    def build_embedding(cls, args, dictionary, embed_dim, path=None):
+        return VocabParallelEmbedding(len(dictionary), embed_dim, dictionary.pad())
+
+
+class ModelParallelTransformerDecoder(TransformerDecoder):
+    """fairseq's TransformerDecoder with model-parallel layers and output projection.
+
+    The output projection uses the vocab-parallel embedding weight
+    (``--share-decoder-input-output-embed``, as Megatron-11b) or its own
+    ``(V / N, C)`` column-parallel weight. Logits are gathered to the full
+    vocabulary unless the caller passes ``gather_logits=False``, whatever
+    criterion a checkpoint was trained with (fairseq's own decoder decided by
+    the stored criterion name, which broke eval-lm and generation: fairseq
+    issues 2358, 3507).
+    """
+
+    def __init__(self, args, dictionary, embed_tokens):
+        self.tensor_model_parallel_group = parallel_state.get_tensor_model_parallel_group()
+        super().__init__(args, dictionary, embed_tokens, no_encoder_attn=True)
+
+    def build_decoder_layer(self, cfg, no_encoder_attn=False):
+        if not isinstance(cfg, TransformerConfig):
+            cfg = TransformerConfig.from_namespace(cfg)
+        layer = ModelParallelTransformerDecoderLayer(cfg, group=self.tensor_model_parallel_group)
+        if cfg.checkpoint_activations:
+            layer = checkpoint_wrapper(layer)
+        return layer
+
+    def build_output_projection(self, cfg, dictionary, embed_tokens):
+        if self.share_input_output_embed:
+            # nn.Linear whose weight *is* the embedding shard, (V / N, C): keeps
+            # fairseq's key decoder.output_projection.weight, tied as in fairseq.
+            self.output_projection = nn.Linear(
+                embed_tokens.weight.shape[1], embed_tokens.weight.shape[0], bias=False
+            )
+            self.output_projection.weight = embed_tokens.weight
+        else:
+            dim = self.output_embed_dim
+            self.output_projection = ColumnParallelLinear(
+                dim, len(dictionary), bias=False,
+                init_method=lambda w: nn.init.normal_(w, mean=0.0, std=dim ** -0.5),
+                group=self.tensor_model_parallel_group,
+            )
+
+    def forward(
+        self,
+        prev_output_tokens,
+        encoder_out=None,
+        incremental_state=None,
+        features_only: bool = False,
+        full_context_alignment: bool = False,
+        alignment_layer: Optional[int] = None,
+        alignment_heads: Optional[int] = None,
+        src_lengths=None,
+        return_all_hiddens: bool = False,
+        gather_logits: bool = True,
+    ):
+        """``prev_output_tokens`` ``(B, T)`` -> (logits ``(B, T, V)`` or
+        ``(B, T, V / N)`` with ``gather_logits=False``, extra dict)."""
+        x, extra = self.extract_features(
+            prev_output_tokens,
+            encoder_out=encoder_out,
+            incremental_state=incremental_state,
+            full_context_alignment=full_context_alignment,
+            alignment_layer=alignment_layer,
+            alignment_heads=alignment_heads,
+        )
+        if not features_only:
+            x = self.output_layer(x, gather_logits=gather_logits)
+        return x, extra
+
+    def output_layer(self, features, gather_logits: bool = True):
+        """``(B, T, C)`` replicated -> ``(B, T, V)`` replicated, or this rank's
+        ``(B, T, V / N)`` shard with ``gather_logits=False``."""
+        group = self.tensor_model_parallel_group
+        x = copy_to_tensor_model_parallel_region(features, group)
+        logits = F.linear(x, self.output_projection.weight)
+        if gather_logits:
+            logits = gather_from_tensor_model_parallel_region(logits, group)
+        return logits
+
+
+def _megatron_common(args, ffn_multiple: int) -> None:
+    args.decoder_embed_dim = safe_getattr(args, "decoder_embed_dim", 3072)
+    args.decoder_ffn_embed_dim = safe_getattr(args, "decoder_ffn_embed_dim", args.decoder_embed_dim * ffn_multiple)
+    args.decoder_layers = safe_getattr(args, "decoder_layers", 72)
+    args.decoder_attention_heads = safe_getattr(args, "decoder_attention_heads", 32)
+    args.dropout = safe_getattr(args, "dropout", 0.1)
+    args.attention_dropout = safe_getattr(args, "attention_dropout", 0.1)
+    args.activation_fn = safe_getattr(args, "activation_fn", "gelu")
+    base_lm_architecture(args)  # pre-norm, sinusoidal positions, final layer norm
+
+
+@take_over_model_architecture("model_parallel_transformer_lm", "transformer_lm_megatron")
+def transformer_lm_megatron(args):
+    """72 layers, hidden 3072, FFN 4 x 3072 = 12288, 32 heads, gelu, dropout 0.1."""
+    _megatron_common(args, ffn_multiple=4)
+
+
+@take_over_model_architecture("model_parallel_transformer_lm", "transformer_lm_megatron_11b")
+def transformer_lm_megatron_11b(args):
+    """Megatron-11b: 72 layers, hidden 3072, FFN 6 x 3072 = 18432, 32 heads, gelu, dropout 0.1."""
+    _megatron_common(args, ffn_multiple=6)

@@ -1,0 +1,74 @@
+"""Column-parallel linear layer (Shoeybi et al. 2019, section 3, Eq. 3)."""
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fairseq_megatron import parallel_state
+from fairseq_megatron.modules.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+)
+from fairseq_megatron.modules.sharding import divide, init_shard_
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X A + b`` with A split along its output (column) dimension.
+
+    Rank r of N holds ``weight`` of shape ``(out_features / N, in_features)``
+    (rows ``[r*out/N, (r+1)*out/N)`` of the full ``(out, in)`` weight) and the
+    matching slice of ``bias``.
+
+    Shapes: input ``(*, in_features)`` replicated on all ranks; output
+    ``(*, out_features / N)`` (this rank's columns), or ``(*, out_features)``
+    on every rank with ``gather_output=True``.
+
+    Mirrors Megatron-LM ``tensor_parallel/layers.py:ColumnParallelLinear`` and
+    fairscale ``nn/model_parallel/layers.py``.
+
+    Raises:
+        ValueError: ``out_features`` is not divisible by the group size.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        init_method: Callable[[torch.Tensor], None] = nn.init.xavier_normal_,
+        group=parallel_state.DEFAULT_GROUP,
+    ):
+        super().__init__()
+        self.group = parallel_state.resolve_group(group)
+        world_size = parallel_state.world_size(self.group)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.out_features_per_partition = divide(out_features, world_size, "output features")
+        self.gather_output = gather_output
+
+        self.weight = nn.Parameter(torch.empty(self.out_features_per_partition, in_features))
+        init_shard_(
+            self.weight, (out_features, in_features), 0,
+            parallel_state.rank(self.group), world_size, init_method,
+        )
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.out_features_per_partition))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tensor_model_parallel_region(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            y = gather_from_tensor_model_parallel_region(y, self.group)
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"out_features_per_partition={self.out_features_per_partition}, "
+            f"bias={self.bias is not None}, gather_output={self.gather_output}"
+        )

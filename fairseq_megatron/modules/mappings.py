@@ -1,0 +1,142 @@
+"""Communication at the edges of a tensor-model-parallel region.
+
+One autograd Function per forward/backward pair (Shoeybi et al. 2019, Fig. 3,
+the "f" and "g" operators; Megatron-LM ``tensor_parallel/mappings.py``):
+
+=========================================  ===================  ===================
+function                                   forward              backward
+=========================================  ===================  ===================
+copy_to_tensor_model_parallel_region       identity             all-reduce (sum)
+reduce_from_tensor_model_parallel_region   all-reduce (sum)     identity
+scatter_to_tensor_model_parallel_region    keep own last-dim    all-gather last dim
+                                           chunk
+gather_from_tensor_model_parallel_region   all-gather last dim  keep own chunk
+=========================================  ===================  ===================
+
+Every function takes the process group explicitly (``None`` = single process)
+and is the identity when the group has one rank. Inputs are never modified in
+place; collectives run on fresh tensors allocated on the input's device, so
+the same code runs with gloo on CPU and NCCL on GPU.
+"""
+
+import torch
+import torch.distributed as dist
+
+from fairseq_megatron import parallel_state
+from fairseq_megatron.parallel_state import ProcessGroup
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    if parallel_state.world_size(group) == 1:
+        return x
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _split_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    n = parallel_state.world_size(group)
+    if n == 1:
+        return x
+    if x.size(-1) % n != 0:
+        raise ValueError(f"last dimension {x.size(-1)} is not divisible by the group size {n}")
+    return x.chunk(n, dim=-1)[parallel_state.rank(group)].contiguous()
+
+
+def _gather_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    n = parallel_state.world_size(group)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last_dim(grad, ctx.group), None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last_dim(grad, ctx.group), None
+
+
+def copy_to_tensor_model_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Enter a parallel region with a replicated input: ``f`` in the paper.
+
+    Forward is the identity; backward sums the input gradient over the group,
+    because every rank's shard of the next layer contributed to it.
+    Shape: any; unchanged.
+    """
+    if parallel_state.world_size(group) == 1:
+        return x
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Leave a parallel region by summing partial results: ``g`` in the paper.
+
+    Shape: any; unchanged. Every rank ends with the same (replicated) sum.
+    """
+    if parallel_state.world_size(group) == 1:
+        return x
+    return _ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Keep this rank's chunk of the last dimension: ``(..., C) -> (..., C / N)``.
+
+    Rank r keeps columns ``[r*C/N, (r+1)*C/N)``. Backward all-gathers.
+
+    Raises:
+        ValueError: C is not divisible by the group size N.
+    """
+    if parallel_state.world_size(group) == 1:
+        return x
+    return _ScatterToRegion.apply(x, group)
+
+
+def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Concatenate the shards of the last dimension: ``(..., C / N) -> (..., C)``.
+
+    Rank order along the dimension; every rank gets the full tensor. Backward
+    keeps this rank's chunk of the gradient.
+    """
+    if parallel_state.world_size(group) == 1:
+        return x
+    return _GatherFromRegion.apply(x, group)

@@ -1,0 +1,145 @@
+"""Self-attention with heads split across the tensor-model-parallel group."""
+
+from typing import Dict, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from fairseq.incremental_decoding_utils import with_incremental_state
+from torch import Tensor
+
+from fairseq_megatron import parallel_state
+from fairseq_megatron.modules.column_parallel_linear import ColumnParallelLinear
+from fairseq_megatron.modules.row_parallel_linear import RowParallelLinear
+from fairseq_megatron.modules.sharding import divide
+from fairseq_megatron.rng_tracker import get_rng_tracker
+
+IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
+
+
+@with_incremental_state
+class ModelParallelMultiheadAttention(nn.Module):
+    """Causal self-attention; rank r of N computes heads ``[r*H/N, (r+1)*H/N)``.
+
+    ``q_proj``, ``k_proj``, ``v_proj`` are column-parallel (each rank produces
+    the queries/keys/values of its local heads), ``out_proj`` is row-parallel
+    (partial outputs summed over the group): one all-reduce in forward, one in
+    backward (Shoeybi et al. 2019, section 3, Fig. 3b). Parameter names and
+    per-rank shapes are those of fairseq's
+    ``model_parallel/modules/multihead_attention.py``, so published part files
+    load unchanged.
+
+    Attention itself is ``F.scaled_dot_product_attention`` (flash/memory-
+    efficient kernels on GPU); attention dropout draws from the model-parallel
+    RNG stream because its input is sharded by head.
+
+    Shapes: ``x`` ``(T, B, C)``; output ``(T, B, C)``, replicated.
+    ``is_causal=True`` promises that ``attn_mask`` is the usual future mask.
+    ``attn_mask`` ``(T, T_k)`` additive float (``-inf`` = blocked) or bool
+    (True = blocked), ``key_padding_mask`` ``(B, T_k)`` bool (True = pad).
+
+    Incremental decoding keeps, per layer and rank, keys and values of the
+    local heads, ``(B, H/N, T_past, D)``, in ``incremental_state``.
+
+    Raises:
+        ValueError: ``embed_dim`` not divisible by ``num_heads``, or
+            ``num_heads`` not divisible by the model-parallel size.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        group=parallel_state.DEFAULT_GROUP,
+    ):
+        super().__init__()
+        self.group = parallel_state.resolve_group(group)
+        world_size = parallel_state.world_size(self.group)
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads  # total, as fairseq's TransformerDecoderLayer expects
+        self.head_dim = divide(embed_dim, num_heads, "embedding dim, per attention head")
+        self.num_heads_partition = divide(num_heads, world_size, "number of attention heads")
+        self.dropout_p = dropout
+
+        self.k_proj = ColumnParallelLinear(embed_dim, embed_dim, bias=bias, group=self.group)
+        self.v_proj = ColumnParallelLinear(embed_dim, embed_dim, bias=bias, group=self.group)
+        self.q_proj = ColumnParallelLinear(embed_dim, embed_dim, bias=bias, group=self.group)
+        self.out_proj = RowParallelLinear(embed_dim, embed_dim, bias=bias, group=self.group)
+
+    def _heads(self, x: Tensor) -> Tensor:
+        t, b, _ = x.shape
+        return x.view(t, b, self.num_heads_partition, self.head_dim).permute(1, 2, 0, 3)  # (B, H/N, T, D)
+
+    def forward(
+        self,
+        x: Tensor,
+        attn_mask: Optional[Tensor] = None,
+        key_padding_mask: Optional[Tensor] = None,
+        incremental_state: IncrementalState = None,
+        is_causal: bool = False,
+    ) -> Tensor:
+        tgt_len, bsz, _ = x.shape
+        q = self._heads(self.q_proj(x))
+        k = self._heads(self.k_proj(x))
+        v = self._heads(self.v_proj(x))
+
+        if incremental_state is not None:
+            cache = self.get_incremental_state(incremental_state, "attn_state") or {}
+            if "prev_key" in cache:
+                k = torch.cat([cache["prev_key"], k], dim=2)
+                v = torch.cat([cache["prev_value"], v], dim=2)
+                prev_pad = cache.get("prev_key_padding_mask")
+                if prev_pad is not None or key_padding_mask is not None:
+                    past = k.size(2) - tgt_len
+                    if prev_pad is None:
+                        prev_pad = key_padding_mask.new_zeros(bsz, past)
+                    if key_padding_mask is None:
+                        key_padding_mask = prev_pad.new_zeros(bsz, tgt_len)
+                    key_padding_mask = torch.cat([prev_pad, key_padding_mask], dim=1)
+            new_cache = {"prev_key": k, "prev_value": v}
+            if key_padding_mask is not None:
+                new_cache["prev_key_padding_mask"] = key_padding_mask
+            self.set_incremental_state(incremental_state, "attn_state", new_cache)
+
+        dropout_p = self.dropout_p if self.training else 0.0
+        # The plain causal case (training, eval-lm) takes SDPA's is_causal path,
+        # which lets the GPU use flash attention; anything else gets an explicit mask.
+        use_is_causal = is_causal and key_padding_mask is None and k.size(2) == tgt_len
+        mask = None if use_is_causal else _combine_masks(attn_mask, key_padding_mask, q.dtype)
+        with get_rng_tracker().fork(x.device):
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=use_is_causal
+            )
+
+        out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.num_heads_partition * self.head_dim)
+        return self.out_proj(out)  # (T, B, C)
+
+    def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: Tensor):
+        """Select batch rows of the key/value cache (beam search)."""
+        cache = self.get_incremental_state(incremental_state, "attn_state")
+        if cache is not None:
+            cache = {k: v.index_select(0, new_order) for k, v in cache.items() if v is not None}
+            self.set_incremental_state(incremental_state, "attn_state", cache)
+
+
+def _combine_masks(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], dtype) -> Optional[Tensor]:
+    """One additive mask broadcastable to ``(B, H, T, T_k)``, or None.
+
+    Padded keys get the dtype's lowest finite value rather than ``-inf``, so a
+    query whose keys are all padding (left-padded prompts) averages instead of
+    producing NaN that would leak into later layers.
+    """
+    mask = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill(
+                attn_mask, float("-inf")
+            )
+        mask = attn_mask.to(dtype)  # (T, T_k)
+    if key_padding_mask is not None:
+        pad = torch.zeros(key_padding_mask.shape, dtype=dtype, device=key_padding_mask.device)
+        pad = pad.masked_fill(key_padding_mask.bool(), torch.finfo(dtype).min)[:, None, None, :]  # (B, 1, 1, T_k)
+        mask = pad if mask is None else mask + pad
+    return mask

@@ -1,0 +1,116 @@
+"""One Transformer decoder block with tensor-model-parallel attention and FFN."""
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from fairseq import utils
+from fairseq.modules import LayerNorm
+from torch import Tensor
+
+from fairseq_megatron import parallel_state
+from fairseq_megatron.modules.column_parallel_linear import ColumnParallelLinear
+from fairseq_megatron.modules.model_parallel_multihead_attention import (
+    IncrementalState,
+    ModelParallelMultiheadAttention,
+)
+from fairseq_megatron.modules.row_parallel_linear import RowParallelLinear
+from fairseq_megatron.rng_tracker import get_rng_tracker
+
+
+class ModelParallelTransformerDecoderLayer(nn.Module):
+    """Decoder block (self-attention + FFN, no encoder attention).
+
+    Pre-norm (``normalize_before``, as every Megatron arch sets) computes::
+
+        x = x + dropout(self_attn(self_attn_layer_norm(x)))
+        x = x + dropout(fc2(activation_dropout(act(fc1(final_layer_norm(x))))))
+
+    ``fc1`` is column-parallel (rank r keeps FFN units ``[r*F/N, (r+1)*F/N)``),
+    ``fc2`` row-parallel, so the FFN costs one all-reduce forward and one
+    backward (Shoeybi et al. 2019, Fig. 3a). Layer norms and the residual
+    stream are replicated. Dropout on the replicated stream uses the default
+    generator (same mask on all ranks); activation dropout, on the sharded FFN
+    activation, uses the model-parallel stream.
+
+    Same call signature and parameter names as fairseq's
+    ``TransformerDecoderLayerBase`` (``models/transformer/transformer_layer.py``),
+    so fairseq's ``TransformerDecoderBase`` drives it unchanged.
+
+    Shapes: ``x`` ``(T, B, C)`` -> ``(T, B, C)``.
+
+    Raises:
+        ValueError: heads or ``decoder_ffn_embed_dim`` not divisible by the
+            model-parallel size.
+    """
+
+    def __init__(self, cfg, group=parallel_state.DEFAULT_GROUP):
+        super().__init__()
+        group = parallel_state.resolve_group(group)
+        embed_dim = cfg.decoder.embed_dim
+        self.embed_dim = embed_dim
+        self.normalize_before = cfg.decoder.normalize_before
+        self.dropout_p = cfg.dropout
+        activation_dropout = cfg.activation_dropout or cfg.relu_dropout or 0.0
+        self.activation_dropout_p = activation_dropout
+        self.activation_fn = utils.get_activation_fn(activation=str(cfg.activation_fn))
+
+        self.self_attn = ModelParallelMultiheadAttention(
+            embed_dim, cfg.decoder.attention_heads, dropout=cfg.attention_dropout, group=group
+        )
+        self.self_attn_layer_norm = LayerNorm(embed_dim, export=cfg.export)
+        self.fc1 = ColumnParallelLinear(embed_dim, cfg.decoder.ffn_embed_dim, group=group)
+        self.fc2 = RowParallelLinear(cfg.decoder.ffn_embed_dim, embed_dim, group=group)
+        self.final_layer_norm = LayerNorm(embed_dim, export=cfg.export)
+        self.need_attn = False
+
+    def _dropout(self, x: Tensor) -> Tensor:
+        return nn.functional.dropout(x, p=self.dropout_p, training=self.training)
+
+    def forward(
+        self,
+        x: Tensor,
+        encoder_out: Optional[Tensor] = None,
+        encoder_padding_mask: Optional[Tensor] = None,
+        incremental_state: IncrementalState = None,
+        prev_self_attn_state=None,
+        prev_attn_state=None,
+        self_attn_mask: Optional[Tensor] = None,
+        self_attn_padding_mask: Optional[Tensor] = None,
+        need_attn: bool = False,
+        need_head_weights: bool = False,
+    ):
+        if encoder_out is not None:
+            raise NotImplementedError("ModelParallelTransformerDecoderLayer has no encoder attention")
+
+        residual = x
+        if self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+        # fairseq's decoder passes its future mask here for full-sequence
+        # passes and None for incremental steps (where T = 1 needs no mask).
+        x = self.self_attn(
+            x,
+            attn_mask=self_attn_mask,
+            key_padding_mask=self_attn_padding_mask,
+            incremental_state=incremental_state,
+            is_causal=self_attn_mask is not None,
+        )
+        x = residual + self._dropout(x)
+        if not self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+
+        residual = x
+        if self.normalize_before:
+            x = self.final_layer_norm(x)
+        x = self.activation_fn(self.fc1(x))
+        if self.activation_dropout_p > 0 and self.training:
+            with get_rng_tracker().fork(x.device):
+                x = nn.functional.dropout(x, p=self.activation_dropout_p, training=True)
+        x = self.fc2(x)
+        x = residual + self._dropout(x)
+        if not self.normalize_before:
+            x = self.final_layer_norm(x)
+        return x, None, None
+
+    def make_generation_fast_(self, need_attn: bool = False, **kwargs):
+        self.need_attn = need_attn

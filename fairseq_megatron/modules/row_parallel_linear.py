@@ -1,0 +1,75 @@
+"""Row-parallel linear layer (Shoeybi et al. 2019, section 3, Eq. 3)."""
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fairseq_megatron import parallel_state
+from fairseq_megatron.modules.mappings import (
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from fairseq_megatron.modules.sharding import divide, init_shard_
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A + b`` with A split along its input (row) dimension.
+
+    Rank r of N holds ``weight`` of shape ``(out_features, in_features / N)``
+    (columns ``[r*in/N, (r+1)*in/N)`` of the full ``(out, in)`` weight). The
+    partial products are summed over the group, then the full ``bias``
+    (replicated, identical on every rank) is added once.
+
+    Shapes: input ``(*, in_features / N)`` with ``input_is_parallel=True``
+    (the output of a :class:`ColumnParallelLinear`), else ``(*, in_features)``
+    replicated and scattered here; output ``(*, out_features)`` replicated.
+
+    Mirrors Megatron-LM ``tensor_parallel/layers.py:RowParallelLinear``.
+
+    Raises:
+        ValueError: ``in_features`` is not divisible by the group size.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        init_method: Callable[[torch.Tensor], None] = nn.init.xavier_normal_,
+        group=parallel_state.DEFAULT_GROUP,
+    ):
+        super().__init__()
+        self.group = parallel_state.resolve_group(group)
+        world_size = parallel_state.world_size(self.group)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.in_features_per_partition = divide(in_features, world_size, "input features")
+        self.input_is_parallel = input_is_parallel
+
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_features_per_partition))
+        init_shard_(
+            self.weight, (out_features, in_features), 1,
+            parallel_state.rank(self.group), world_size, init_method,
+        )
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.group)
+        y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), self.group)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"in_features_per_partition={self.in_features_per_partition}, "
+            f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}"
+        )

@@ -1,0 +1,127 @@
+"""Shared test helpers: small models, and N CPU processes with gloo."""
+
+import os
+import pickle
+import traceback
+from argparse import Namespace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from fairseq.data import Dictionary
+
+import fairseq_megatron  # noqa: F401  (registers archs, installs the mpu module)
+from fairseq_megatron import parallel_state
+from fairseq_megatron.models.model_parallel_transformer_lm import (
+    ModelParallelTransformerLanguageModel,
+    transformer_lm_megatron_11b,
+)
+from fairseq_megatron.rng_tracker import get_rng_tracker
+
+# Small dims that still exercise every split: 8 heads and FFN 128 divide by 1, 2 and 4.
+DIMS = dict(
+    decoder_layers=2,
+    decoder_embed_dim=32,
+    decoder_ffn_embed_dim=128,
+    decoder_attention_heads=8,
+)
+# 4 specials + 60 words = 64 symbols, a multiple of 8 * 4: the padded
+# vocabulary is the same at model-parallel sizes 1, 2 and 4.
+VOCAB_WORDS = 60
+SEQ_LEN = 16
+
+
+class LMTask:
+    """The two attributes build_model reads from a fairseq task."""
+
+    def __init__(self, dictionary):
+        self.source_dictionary = dictionary
+        self.target_dictionary = dictionary
+
+
+def make_dictionary(num_words: int = VOCAB_WORDS) -> Dictionary:
+    d = Dictionary()
+    for i in range(num_words):
+        d.add_symbol(f"w{i}")
+    return d
+
+
+def model_args(model_parallel_size: int, **overrides) -> Namespace:
+    args = Namespace(
+        **DIMS,
+        share_decoder_input_output_embed=True,
+        dropout=0.0,
+        attention_dropout=0.0,
+        model_parallel_size=model_parallel_size,
+        tokens_per_sample=SEQ_LEN,
+        max_target_positions=SEQ_LEN,
+    )
+    for k, v in overrides.items():
+        setattr(args, k, v)
+    transformer_lm_megatron_11b(args)
+    return args
+
+
+def build_model(model_parallel_size: int, seed: int = 0, **overrides):
+    """Our model at the current group's size, initialised from ``seed``."""
+    torch.manual_seed(seed)
+    dictionary = make_dictionary()
+    args = model_args(model_parallel_size, **overrides)
+    model = ModelParallelTransformerLanguageModel.build_model(args, LMTask(dictionary))
+    return model, dictionary
+
+
+def make_batch(dictionary: Dictionary, batch: int = 3, seq_len: int = SEQ_LEN, seed: int = 1, pad_tail: int = 3):
+    """Random tokens ``(B, T)`` and next-token targets; the last row ends in
+    ``pad_tail`` padding positions (right padding, as fairseq's LM batches)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(dictionary.nspecial, len(dictionary), (batch, seq_len + 1), generator=g)
+    if pad_tail:
+        tokens[-1, -pad_tail:] = dictionary.pad()
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+# ---------------------------------------------------------------- processes
+
+
+def _entry(rank, world_size, init_file, out_dir, worker, args):
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        result = worker(rank, world_size, *args)
+        result = {"rank": rank, "world_size": dist.get_world_size(), "result": result}
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        result = {"rank": rank, "error": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_distributed(worker, world_size: int, tmp_path, *args):
+    """Run ``worker(rank, world_size, *args)`` in ``world_size`` CPU processes.
+
+    Returns the per-rank return values (rank order) after checking that
+    every rank ran inside a torch.distributed world of exactly that size.
+    """
+    init_file = os.path.join(str(tmp_path), "dist_init")
+    out_dir = os.path.join(str(tmp_path), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    mp.start_processes(_entry, args=(world_size, init_file, out_dir, worker, args), nprocs=world_size,
+                       join=True, start_method="spawn")
+    results = []
+    for rank in range(world_size):
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
+            r = pickle.load(f)
+        assert "error" not in r, f"rank {rank} failed:\n{r['error']}"
+        assert r["world_size"] == world_size, f"rank {rank} ran in a world of {r['world_size']}"
+        results.append(r["result"])
+    return results
+
+
+def init_model_parallel(model_parallel_size: int, seed: int = 0):
+    parallel_state.initialize_model_parallel(model_parallel_size)
+    from fairseq_megatron.rng_tracker import model_parallel_manual_seed
+
+    model_parallel_manual_seed(seed)
+    assert parallel_state.get_tensor_model_parallel_world_size() == model_parallel_size
+    return get_rng_tracker()

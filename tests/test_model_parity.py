@@ -1,0 +1,132 @@
+"""The whole model: tensor-parallel sizes 2 and 4 against size 1, and size 1
+against fairseq's own non-parallel ``transformer_lm``.
+
+Tolerances (fp32):
+* logits, loss: rtol=atol=1e-5. Row-parallel layers sum N partial GEMMs
+  (and the loss sums per-shard exponentials) where size 1 runs one GEMM; the
+  reassociated fp32 sums differ by a few ULP per layer (~1e-6 after two
+  layers); a wrong shard or reduction is off by > 1e-2.
+* gradients: rtol=1e-4, atol=1e-5. The backward adds one more all-reduce per
+  layer and summation over B*T positions; measured differences stay below
+  1e-6, and gradients are O(1e-1), so 1e-4 relative is still tight.
+* fairseq transformer_lm: rtol=atol=1e-5. Same weights, but
+  scaled_dot_product_attention versus fairseq's explicit
+  ``softmax(q * d**-0.5 @ k^T)`` changes the order of fp32 operations.
+"""
+
+import os
+from argparse import Namespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from fairseq.models.transformer_lm import TransformerLanguageModel, base_lm_architecture
+
+from fairseq_megatron import parallel_state
+from fairseq_megatron.checkpoint_resharding import partition_dim, split_model_state
+from fairseq_megatron.modules import vocab_parallel_cross_entropy
+from tests.helpers import DIMS, SEQ_LEN, LMTask, build_model, init_model_parallel, make_batch, run_distributed
+
+FWD_TOL = dict(rtol=1e-5, atol=1e-5)
+GRAD_TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _reference(batch_seed):
+    """Size-1 model in this (non-distributed) process: logits, loss, grads."""
+    model, dictionary = build_model(1)
+    model.eval()
+    tokens, target = make_batch(dictionary, seed=batch_seed)
+    logits, _ = model(tokens)
+    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1),
+                           ignore_index=dictionary.pad(), reduction="sum")
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return state, logits.detach(), loss.detach(), grads
+
+
+def _gather(t, dim, group):
+    n = parallel_state.world_size(group)
+    parts = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _parallel_worker(rank, world_size, model_parallel_size, reference_path):
+    init_model_parallel(model_parallel_size)
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp_rank = parallel_state.rank(group)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    reference_state = torch.load(reference_path)
+
+    model, dictionary = build_model(model_parallel_size)
+    # Same seed, master weights built once and sliced: the fresh size-N model
+    # *is* the size-1 model, shard for shard.
+    expected_part = split_model_state(reference_state, model_parallel_size)[tp_rank]
+    init_matches = all(torch.equal(v, expected_part[k]) for k, v in model.state_dict().items())
+    model.load_state_dict(expected_part, strict=True)
+    model.eval()
+
+    # Each model-parallel group gets its own batch (catches WORLD-wide collectives).
+    tokens, target = make_batch(dictionary, seed=10 + dp_rank)
+    logits, _ = model(tokens)  # gathered (B, T, V)
+    shard_logits, _ = model(tokens, gather_logits=False)  # (B, T, V / N)
+    loss = vocab_parallel_cross_entropy(shard_logits, target, ignore_index=dictionary.pad(), group=group).sum()
+    loss.backward()
+
+    grads = {}
+    for name, p in model.named_parameters():
+        dim = partition_dim(name)
+        grads[name] = p.grad if dim is None else _gather(p.grad, dim, group)
+    return {
+        "tp": parallel_state.world_size(group),
+        "dp_rank": dp_rank,
+        "local_vocab": shard_logits.size(-1),
+        "init_matches": init_matches,
+        "logits": logits.detach(),
+        "loss": loss.detach(),
+        "grads": grads,
+    }
+
+
+@pytest.mark.parametrize(
+    "world_size,model_parallel_size",
+    [(2, 2), (4, 4), (4, 2)],
+    ids=["mp2", "mp4", "world4-two-groups-of-2"],
+)
+def test_tensor_parallel_matches_size_1(tmp_path, world_size, model_parallel_size):
+    num_groups = world_size // model_parallel_size
+    references = [_reference(batch_seed=10 + g) for g in range(num_groups)]
+    reference_path = os.path.join(tmp_path, "reference.pt")
+    torch.save(references[0][0], reference_path)
+
+    results = run_distributed(_parallel_worker, world_size, tmp_path, model_parallel_size, reference_path)
+
+    vocab = references[0][1].size(-1)
+    for rank, r in enumerate(results):
+        assert r["tp"] == model_parallel_size and r["dp_rank"] == rank // model_parallel_size
+        assert r["local_vocab"] == vocab // model_parallel_size, "logits were not vocab-sharded"
+        assert r["init_matches"], "size-N initialisation is not the shard of the size-1 one"
+        _, ref_logits, ref_loss, ref_grads = references[r["dp_rank"]]
+        torch.testing.assert_close(r["logits"], ref_logits, **FWD_TOL)
+        torch.testing.assert_close(r["loss"], ref_loss, **FWD_TOL)
+        assert set(r["grads"]) == set(ref_grads)
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(r["grads"][name], g, **GRAD_TOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_size_1_matches_fairseq_transformer_lm():
+    ours, dictionary = build_model(1)
+    ours.eval()
+
+    args = Namespace(**DIMS, share_decoder_input_output_embed=True, dropout=0.0, attention_dropout=0.0,
+                     activation_fn="gelu", tokens_per_sample=SEQ_LEN, max_target_positions=SEQ_LEN)
+    base_lm_architecture(args)
+    fairseq_lm = TransformerLanguageModel.build_model(args, LMTask(dictionary))
+    fairseq_lm.load_state_dict(ours.state_dict(), strict=True)
+    fairseq_lm.eval()
+
+    tokens, _ = make_batch(dictionary, seed=3)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens)[0], fairseq_lm(tokens)[0], **FWD_TOL)

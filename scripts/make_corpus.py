@@ -23,7 +23,7 @@ import os
 import re
 import sys
 import sysconfig
-from typing import Dict, Iterable, Iterator, List, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 _TOKEN = re.compile(r"[a-z]+(?:'[a-z]+)?|[0-9]+|[^\sa-z0-9]")
 SPLITS = ("train", "valid", "test")
@@ -98,18 +98,29 @@ def build_corpus(files: Iterable[str], root: str, max_bytes: int) -> Dict[str, L
     return corpus
 
 
-def unigram_perplexity(train: List[str], evaluated: List[str]) -> float:
-    """Perplexity of an add-one-smoothed unigram model of ``train`` on ``evaluated``,
-    counting one end-of-line symbol per line (as fairseq's LM does)."""
+def unigram_perplexity(train: List[str], evaluated: List[str], vocab_size: Optional[int] = None) -> float:
+    """Perplexity of an add-one-smoothed unigram model of ``train`` on ``evaluated``.
+
+    Counts one end-of-line symbol per line (as fairseq's LM does). With
+    ``vocab_size``, words outside the ``vocab_size`` most frequent training
+    words become ``<unk>``, as ``fairseq-preprocess --nwordssrc`` maps them,
+    so the baseline sees the same vocabulary as the model.
+    """
     counts = collections.Counter(tok for line in train for tok in line.split() + ["</s>"])
-    vocab = set(counts) | {tok for line in evaluated for tok in line.split()}
+    if vocab_size is not None:
+        keep = {w for w, _ in counts.most_common(vocab_size)}
+        unk = sum(c for w, c in counts.items() if w not in keep)
+        counts = collections.Counter({w: c for w, c in counts.items() if w in keep})
+        counts["<unk>"] += unk
+
+    def known(tok):
+        return tok if vocab_size is None or tok in counts else "<unk>"
+
+    evaluated_tokens = [known(tok) for line in evaluated for tok in line.split() + ["</s>"]]
+    vocab = set(counts) | set(evaluated_tokens)
     total = sum(counts.values()) + len(vocab)
-    nll, n = 0.0, 0
-    for line in evaluated:
-        for tok in line.split() + ["</s>"]:
-            nll -= math.log((counts[tok] + 1) / total)
-            n += 1
-    return math.exp(nll / max(n, 1))
+    nll = -sum(math.log((counts[tok] + 1) / total) for tok in evaluated_tokens)
+    return math.exp(nll / max(len(evaluated_tokens), 1))
 
 
 def write_splits(corpus: Dict[str, List[str]], out_dir: str) -> None:
@@ -126,6 +137,8 @@ def main(argv=None) -> Tuple[Dict[str, List[str]], float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--max-mb", type=float, default=4.0, help="stop after this much text (MB)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="for the baseline: map words outside the most frequent N to <unk>")
     parser.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"], help="where to read .py files")
     args = parser.parse_args(argv)
 
@@ -139,7 +152,7 @@ def main(argv=None) -> Tuple[Dict[str, List[str]], float]:
     for split in SPLITS:
         lines = corpus[split]
         print(f"{split}: {len(lines):,} lines, {sum(len(l.split()) for l in lines):,} tokens")
-    baseline = unigram_perplexity(corpus["train"], corpus["valid"])
+    baseline = unigram_perplexity(corpus["train"], corpus["valid"], args.vocab_size)
     print(f"unigram baseline perplexity (valid): {baseline:.1f}")
     return corpus, baseline
 

@@ -32,10 +32,40 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_TARGET_POSITIONS = 1024
 
 
-def vocab_padding_multiple(model_parallel_size: int) -> int:
-    """fairseq pads the dictionary to a multiple of ``8 * model_parallel_size``
-    when it builds the model (so the padded size depends on the MP size)."""
-    return 8 * model_parallel_size
+def pad_dictionary(dictionary, model_parallel_size: int, padded_vocab_size: Optional[int] = None) -> int:
+    """Pad ``dictionary`` in place with ``madeupwordNNNN`` symbols; return its new size.
+
+    A new model pads to a multiple of ``8 * model_parallel_size``, as fairseq
+    does, so the size depends on the model-parallel size it was first built
+    with. That size is then recorded in the model config
+    (``padded_vocab_size``) and reused exactly, so a checkpoint resharded to
+    another model-parallel size keeps every embedding row and the same
+    softmax over the same vocabulary.
+
+    Raises:
+        ValueError: the dictionary is larger than ``padded_vocab_size``, or
+            the size is not divisible by the model-parallel size.
+    """
+    if padded_vocab_size is None:
+        dictionary.pad_to_multiple_(8 * model_parallel_size)
+    else:
+        if len(dictionary) > padded_vocab_size:
+            raise ValueError(
+                f"the dictionary has {len(dictionary)} symbols but the checkpoint's embedding "
+                f"has {padded_vocab_size} rows: wrong dict.txt for this checkpoint"
+            )
+        i = 0
+        while len(dictionary) < padded_vocab_size:
+            symbol = f"madeupword{i:04d}"
+            if symbol not in dictionary.indices:
+                dictionary.add_symbol(symbol, n=0)
+            i += 1
+    if len(dictionary) % model_parallel_size != 0:
+        raise ValueError(
+            f"padded vocabulary size {len(dictionary)} is not divisible by the "
+            f"model-parallel size {model_parallel_size}"
+        )
+    return len(dictionary)
 
 
 @take_over_model("model_parallel_transformer_lm")
@@ -69,6 +99,12 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
                 f"model-parallel group has {group_size} rank(s); pass --model-parallel-size "
                 f"{group_size} with a checkpoint saved at that size (or reshard the checkpoint)"
             )
+        for flag, value in (
+            ("--decoder-attention-heads", args.decoder_attention_heads),
+            ("--decoder-ffn-embed-dim", args.decoder_ffn_embed_dim),
+        ):
+            if value % group_size != 0:
+                raise ValueError(f"{flag} {value} is not divisible by --model-parallel-size {group_size}")
         if args.character_embeddings or args.adaptive_input or args.adaptive_softmax_cutoff:
             raise NotImplementedError(
                 "character embeddings, adaptive input and adaptive softmax are not model parallel"
@@ -78,9 +114,10 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         if safe_getattr(args, "max_target_positions", None) is None:
             args.max_target_positions = safe_getattr(args, "tokens_per_sample", DEFAULT_MAX_TARGET_POSITIONS)
 
-        multiple = vocab_padding_multiple(group_size)
-        task.source_dictionary.pad_to_multiple_(multiple)
-        task.target_dictionary.pad_to_multiple_(multiple)
+        recorded = safe_getattr(args, "padded_vocab_size", None)
+        args.padded_vocab_size = pad_dictionary(task.source_dictionary, group_size, recorded)
+        if pad_dictionary(task.target_dictionary, group_size, args.padded_vocab_size) != args.padded_vocab_size:
+            raise ValueError("source and target dictionaries differ in size")
 
         embed_tokens = cls.build_embedding(args, task.source_dictionary, args.decoder_input_dim)
         decoder = ModelParallelTransformerDecoder(args, task.target_dictionary, embed_tokens)

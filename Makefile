@@ -1,0 +1,28 @@
+# Two commands for a newcomer:  `make demo` (the main job)  and  `make test`.
+# Both create .venv and install everything on first use.
+
+PYTHON ?= python3
+VENV   ?= .venv
+# The CPU build of torch that this project is tested with; override for a GPU
+# box, e.g. `make demo TORCH=torch==2.5.1`.
+TORCH  ?= torch==2.13.0
+PY      = $(VENV)/bin/python
+
+.PHONY: install demo test clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install "$(TORCH)" -e ".[test]"
+	touch $@
+
+demo: install
+	$(PY) scripts/demo.py
+
+test: install
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf demo_work .pytest_cache

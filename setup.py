@@ -1,0 +1,27 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="fairseq_megatron",
+    version="0.1.0",
+    description="Megatron-style tensor-model-parallel language models for fairseq (--user-dir plugin)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.8",
+    packages=find_packages(include=["fairseq_megatron", "fairseq_megatron.*"]),
+    install_requires=[
+        'fairseq-fixed==0.12.3.1; python_version >= "3.11"',
+        'fairseq==0.12.2; python_version < "3.11"',
+        "torch>=2.0",
+        "fairscale==0.4.13",
+        "sacremoses",
+        "numpy",
+        "regex",
+        "tqdm",
+    ],
+    extras_require={"test": ["pytest"]},
+    entry_points={
+        "console_scripts": [
+            "fairseq-megatron-reshard = fairseq_megatron.cli.reshard_checkpoint:main",
+        ]
+    },
+)

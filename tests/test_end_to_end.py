@@ -1,0 +1,141 @@
+"""Unmodified fairseq-train / fairseq-eval-lm at model-parallel size 2 (torchrun, 2 CPU processes).
+
+One small training run is shared by the tests of this module: train, resume,
+evaluate at size 2, reshard to size 1 and evaluate again, and the errors a
+user meets with bad launches or incomplete checkpoints.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fairseq_megatron import USER_DIR
+from fairseq_megatron.checkpoint_resharding import reshard
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+import make_corpus  # noqa: E402
+
+ENV = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+MODEL = [
+    "--task", "language_modeling", "--arch", "transformer_lm_megatron_11b",
+    "--decoder-layers", "2", "--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "256",
+    "--decoder-attention-heads", "4", "--share-decoder-input-output-embed",
+    "--sample-break-mode", "none", "--tokens-per-sample", "32",
+]
+
+
+def fairseq(tool, args, nproc=None, check=True, timeout=300):
+    """Run ``fairseq_cli.<tool>`` (under torchrun with ``nproc`` processes); return (rc, output)."""
+    cmd = [sys.executable]
+    if nproc:
+        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    cmd += ["-m", f"fairseq_cli.{tool}"] + args
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc.returncode, proc.stdout
+
+
+def train_args(data, save_dir, max_update):
+    return [data, "--user-dir", USER_DIR, "--cpu", *MODEL,
+            "--criterion", "vocab_parallel_cross_entropy", "--model-parallel-size", "2",
+            "--batch-size", "4", "--optimizer", "adam", "--lr", "0.001",
+            "--max-update", str(max_update), "--save-dir", save_dir, "--no-epoch-checkpoints",
+            "--disable-validation", "--log-format", "simple", "--log-interval", "1", "--seed", "3"]
+
+
+def eval_args(data, path, model_parallel_size):
+    return [data, "--user-dir", USER_DIR, "--cpu", "--task", "language_modeling", "--path", path,
+            "--gen-subset", "test", "--sample-break-mode", "none", "--tokens-per-sample", "32",
+            "--context-window", "16", "--batch-size", "4", "--model-parallel-size", str(model_parallel_size)]
+
+
+def eval_loss(output):
+    found = re.findall(r"Loss \(base 2\): ([0-9.]+)", output)
+    assert found, output[-3000:]
+    return float(found[-1])
+
+
+def evaluated_tokens(output):
+    return int(re.findall(r"Evaluated ([0-9,]+) tokens", output)[-1].replace(",", ""))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    text, data, ckpt = (str(root / d) for d in ("text", "bin", "ckpt"))
+    stdlib = make_corpus.sysconfig.get_paths()["stdlib"]
+    corpus = make_corpus.build_corpus(make_corpus.stdlib_files(stdlib), stdlib, max_bytes=300_000)
+    make_corpus.write_splits(corpus, text)
+    # 500 words: fairseq-preprocess pads the dictionary to 504 (multiple of 8);
+    # the model at size 2 pads it to 512 (multiple of 16).
+    fairseq("preprocess", ["--only-source", "--trainpref", f"{text}/train.txt", "--validpref",
+                           f"{text}/valid.txt", "--testpref", f"{text}/test.txt", "--destdir", data,
+                           "--nwordssrc", "500"])
+    _, log = fairseq("train", train_args(data, ckpt, max_update=4), nproc=2)
+    return {"root": root, "data": data, "ckpt": ckpt, "first_log": log}
+
+
+def test_train_writes_one_part_per_rank(trained):
+    parts = sorted(f for f in os.listdir(trained["ckpt"]) if f.startswith("checkpoint_last"))
+    assert parts == ["checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt"]
+    states = [torch.load(os.path.join(trained["ckpt"], p), weights_only=False) for p in parts]
+    for rank, state in enumerate(states):
+        emb = state["model"]["decoder.embed_tokens.weight"]
+        assert tuple(emb.shape) == (512 // 2, 64), "embedding is not vocab-sharded"
+        assert tuple(state["model"]["decoder.layers.0.fc1.weight"].shape) == (256 // 2, 64)
+        assert tuple(state["model"]["decoder.layers.0.fc2.weight"].shape) == (64, 256 // 2)
+        assert state["optimizer_history"][-1]["num_updates"] == 4
+        assert state["cfg"]["model"].padded_vocab_size == 512
+        # one model-parallel RNG stream per rank: seed + 2718 + rank
+        assert state["extra_state"]["rng_tracker_states"]["model-parallel-rng"]["seed"] == 3 + 2718 + rank
+    # the two parts hold different halves of the vocabulary
+    assert not torch.equal(states[0]["model"]["decoder.embed_tokens.weight"],
+                           states[1]["model"]["decoder.embed_tokens.weight"])
+    assert "training on 2 devices" in trained["first_log"]
+
+
+def test_resume_from_part_files(trained):
+    _, log = fairseq("train", train_args(trained["data"], trained["ckpt"], max_update=7), nproc=2)
+    assert re.search(r"Loaded checkpoint .*checkpoint_last-model_part-0\.pt \(epoch 1 @ 4 updates\)", log), log[-3000:]
+    assert "num_updates 7" in log or "num_updates=7" in log
+    state = torch.load(os.path.join(trained["ckpt"], "checkpoint_last-model_part-1.pt"), weights_only=False)
+    assert state["optimizer_history"][-1]["num_updates"] == 7
+
+
+def test_eval_lm_size_2_equals_size_1_on_same_weights(trained):
+    path = os.path.join(trained["ckpt"], "checkpoint_last.pt")
+    _, out2 = fairseq("eval_lm", eval_args(trained["data"], path, 2), nproc=2)
+
+    merged = str(trained["root"] / "merged" / "model.pt")
+    assert reshard(path, merged, 1) == [merged]
+    _, out1 = fairseq("eval_lm", eval_args(trained["data"], merged, 1))
+
+    # Every test token is scored once by the model-parallel group (fairseq
+    # alone would give each rank half of the batches).
+    assert evaluated_tokens(out2) == evaluated_tokens(out1)
+    # eval-lm prints 4 decimals; fp32 reordering across shards is ~1e-6.
+    assert abs(eval_loss(out2) - eval_loss(out1)) <= 2e-4, (eval_loss(out2), eval_loss(out1))
+
+
+def test_missing_part_file_is_reported(trained):
+    broken = trained["root"] / "broken"
+    broken.mkdir()
+    shutil.copy(os.path.join(trained["ckpt"], "checkpoint_last-model_part-0.pt"), broken)
+    rc, out = fairseq("eval_lm", eval_args(trained["data"], str(broken / "checkpoint_last.pt"), 2),
+                      nproc=2, check=False)
+    assert rc != 0
+    assert "checkpoint_last-model_part-1.pt" in out
+
+
+def test_world_size_not_divisible_by_model_parallel_size(trained):
+    args = train_args(trained["data"], str(trained["root"] / "never"), max_update=1)
+    rc, out = fairseq("train", args, nproc=3, check=False)
+    assert rc != 0
+    assert "world size 3 is not divisible by --model-parallel-size 2" in out

@@ -1,0 +1,102 @@
+"""The model-parallel RNG tracker and activation checkpointing with dropout."""
+
+import torch
+import torch.nn.functional as F
+
+from fairseq_megatron import parallel_state
+from fairseq_megatron.checkpoint_activations import checkpoint_wrapper
+from fairseq_megatron.rng_tracker import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker
+from tests.helpers import build_model, init_model_parallel, make_batch, run_distributed
+
+
+def test_fork_is_a_separate_reproducible_stream():
+    tracker = RNGStatesTracker()
+    tracker.add(MODEL_PARALLEL_RNG, 1234)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    with tracker.fork("cpu"):
+        a = torch.rand(5)
+    assert torch.equal(torch.get_rng_state(), before), "fork leaked into the default generator"
+    saved = tracker.get_states()
+    with tracker.fork("cpu"):
+        b = torch.rand(5)
+    assert not torch.equal(a, b), "the stream did not advance"
+    tracker.set_states(saved)
+    with tracker.fork("cpu"):
+        assert torch.equal(torch.rand(5), b), "restored states do not replay the stream"
+    # a fresh tracker with the same seed starts the same stream
+    other = RNGStatesTracker()
+    other.add(MODEL_PARALLEL_RNG, 1234)
+    with other.fork("cpu"):
+        assert torch.equal(torch.rand(5), a)
+
+
+def test_megatron_checkpoint_format_is_accepted():
+    tracker = RNGStatesTracker()
+    cpu_state = torch.Generator().manual_seed(5).get_state()
+    tracker.set_states({MODEL_PARALLEL_RNG: {"seed": 5, "cpu": cpu_state}})
+    with tracker.fork("cpu"):
+        x = torch.rand(3)
+    assert torch.equal(x, torch.rand(3, generator=torch.Generator().manual_seed(5)))
+
+
+def _dropout_worker(rank, world_size):
+    init_model_parallel(2, seed=7)
+    ones = torch.ones(1000)
+    with get_rng_tracker().fork("cpu"):
+        sharded = F.dropout(ones, 0.5)  # model-parallel region: per-rank stream
+    replicated = F.dropout(ones, 0.5)  # default generator: same seed on all ranks
+    group = parallel_state.get_tensor_model_parallel_group()
+    both = [torch.empty(1000), torch.empty(1000)]
+    torch.distributed.all_gather(both, sharded, group=group)
+    reps = [torch.empty(1000), torch.empty(1000)]
+    torch.distributed.all_gather(reps, replicated, group=group)
+    return {"tp": parallel_state.world_size(group), "sharded_equal": torch.equal(*both),
+            "replicated_equal": torch.equal(*reps)}
+
+
+def test_dropout_masks_differ_across_ranks_only_inside_the_region(tmp_path):
+    for r in run_distributed(_dropout_worker, 2, tmp_path):
+        assert r["tp"] == 2
+        assert not r["sharded_equal"]
+        assert r["replicated_equal"]
+
+
+def test_checkpointed_layer_replays_model_parallel_dropout():
+    """With dropout on (hidden, attention and activation dropout), a
+    checkpointed model must produce the same loss and gradients as the plain
+    one from the same generator states: the recompute has to draw the same
+    masks from both the default generator and the tracker's stream."""
+    overrides = dict(dropout=0.2, attention_dropout=0.2, activation_dropout=0.2)
+    results = []
+    for checkpointed in (False, True):
+        model, dictionary = build_model(1, seed=0, **overrides)
+        if checkpointed:
+            for layer in model.decoder.layers:
+                checkpoint_wrapper(layer)
+        model.train()
+        tracker = get_rng_tracker()
+        tracker.reset()
+        tracker.add(MODEL_PARALLEL_RNG, 99)
+        torch.manual_seed(5)
+        tokens, target = make_batch(dictionary, seed=2)
+        logits, _ = model(tokens)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1), ignore_index=dictionary.pad())
+        loss.backward()
+        # what the tracker holds afterwards must not depend on checkpointing either
+        with tracker.fork("cpu"):
+            after = torch.rand(4)
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, after))
+        tracker.reset()
+    (loss0, grads0, after0), (loss1, grads1, after1) = results
+    # identical arithmetic in the same order: bitwise equal is expected
+    assert torch.equal(loss0, loss1)
+    for name in grads0:
+        assert torch.equal(grads0[name], grads1[name]), name
+    assert torch.equal(after0, after1)
+
+
+def test_checkpoint_activations_flag_wraps_layers():
+    model, _ = build_model(1, checkpoint_activations=True)
+    assert all(isinstance(layer.forward, __import__("functools").partial) for layer in model.decoder.layers)
+    assert "decoder.layers.0.fc1.weight" in model.state_dict()

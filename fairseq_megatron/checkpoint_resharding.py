@@ -1,107 +1,55 @@
-"""Which model tensors are split how across model parts, and how to merge or split them.
+"""Reshard checkpoint files from model-parallel size N to M, streaming tensor by tensor.
 
-The layout is that of fairseq's ModelParallelTransformerDecoder (and of
-this package's modules):
+The published Megatron-11b is 8 part files for 8 GPUs; nothing in fairseq can
+change that (fairseq issues 2351, 3398). :func:`reshard` reads the parts of a
+checkpoint saved at any size and writes the parts for any size M that divides
+the attention heads, the FFN size and the padded vocabulary; M = 1 gives one
+file. :func:`export_to_fairseq` writes a single-file checkpoint for fairseq's
+own, non-parallel ``transformer_lm``.
 
-======================================  ==================  =====================
-key (under ``decoder.``)                kind                split along
-======================================  ==================  =====================
-embed_tokens.weight                     vocab parallel      dim 0 (vocabulary)
-output_projection.weight                vocab parallel      dim 0 (vocabulary)
-layers.N.self_attn.{q,k,v}_proj.*       column parallel     dim 0 (output)
-layers.N.fc1.*                          column parallel     dim 0 (output)
-layers.N.self_attn.out_proj.weight      row parallel        dim 1 (input)
-layers.N.fc2.weight                     row parallel        dim 1 (input)
-everything else (layer norms, row-     replicated          -- (equal in all parts)
-parallel biases, positions, version)
-======================================  ==================  =====================
+Memory: inputs are memory-mapped (``torch.load(mmap=True)``) and reopened for
+every layer, so only the layer being copied is resident; the output parts are
+built and written one at a time. Peak RSS is about one output part plus one
+layer of the input (see ``scripts/benchmark_reshard.py``).
+
+Safety: inputs are never overwritten; every output is written to
+``<name>.tmp``, verified by re-reading it and comparing a checksum per tensor
+(``verify=True``), then renamed.
+
+The split rules are in :mod:`fairseq_megatron.checkpoint_layout`.
 """
 
+import dataclasses
+import gc
 import glob
+import hashlib
 import os
 import re
-from typing import Dict, List, Optional
+from argparse import Namespace
+from collections import OrderedDict
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
-class CheckpointError(ValueError):
-    """A checkpoint (or a set of part files) that cannot be resharded as asked."""
-
-
-_VOCAB = re.compile(r"(^|\.)(embed_tokens|output_projection)\.weight$")
-_COLUMN = re.compile(r"(^|\.)(self_attn\.[qkv]_proj|fc1)\.(weight|bias)$")
-_ROW = re.compile(r"(^|\.)(self_attn\.out_proj|fc2)\.weight$")
-
-
-def partition_dim(key: str) -> Optional[int]:
-    """The dimension along which model parts split tensor ``key``; None if replicated."""
-    if _VOCAB.search(key) or _COLUMN.search(key):
-        return 0
-    if _ROW.search(key):
-        return 1
-    return None
-
-
-def merge_model_parts(parts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
-    """Concatenate the state dicts of model parts ``0..N-1`` into the size-1 state dict.
-
-    Raises:
-        CheckpointError: the parts have different keys, or a replicated tensor
-            differs between parts (parts of different checkpoints).
-    """
-    keys = list(parts[0].keys())
-    for i, part in enumerate(parts[1:], start=1):
-        if set(part.keys()) != set(keys):
-            raise CheckpointError(f"model part {i} has different tensors than part 0")
-    merged = {}
-    for key in keys:
-        dim = partition_dim(key)
-        tensors = [p[key] for p in parts]
-        if dim is None:
-            for i, t in enumerate(tensors[1:], start=1):
-                if t.shape != tensors[0].shape or not torch.equal(t, tensors[0]):
-                    raise CheckpointError(
-                        f"replicated tensor {key} differs between model part 0 and part {i}: "
-                        f"the parts come from different checkpoints"
-                    )
-            merged[key] = tensors[0]
-        else:
-            merged[key] = torch.cat(tensors, dim=dim)
-    return merged
-
-
-def split_model_state(state: Dict[str, torch.Tensor], num_parts: int) -> List[Dict[str, torch.Tensor]]:
-    """Split a size-1 state dict into ``num_parts`` model parts (inverse of :func:`merge_model_parts`).
-
-    Raises:
-        ValueError: a partitioned dimension is not divisible by ``num_parts``.
-    """
-    parts = [dict() for _ in range(num_parts)]
-    for key, tensor in state.items():
-        dim = partition_dim(key)
-        if dim is None:
-            for part in parts:
-                part[key] = tensor
-            continue
-        if tensor.size(dim) % num_parts != 0:
-            raise ValueError(
-                f"{key}: dimension {dim} of size {tensor.size(dim)} is not divisible by {num_parts} parts"
-            )
-        for part, chunk in zip(parts, tensor.chunk(num_parts, dim=dim)):
-            part[key] = chunk.clone()
-    return parts
-
-
-# ------------------------------------------------------------------ files
+from fairseq_megatron.checkpoint_layout import CheckpointError, partition_dim, slice_for_part, tied_keys
 
 PART_SUFFIX = "-model_part-{}"
+EMBED_KEYS = ("decoder.embed_tokens.weight", "decoder.output_projection.weight")
+
+
+# ------------------------------------------------------------------ names
 
 
 def part_path(path: str, rank: int) -> str:
     """fairseq's name for model part ``rank`` of ``path``: ``model.pt`` -> ``model-model_part-{rank}.pt``."""
     if not path.endswith(".pt"):
-        raise ValueError(f"checkpoint path must end in .pt: {path}")
+        raise CheckpointError(f"checkpoint path must end in .pt: {path}")
     return path[: -len(".pt")] + PART_SUFFIX.format(rank) + ".pt"
+
+
+def output_paths(path: str, num_parts: int) -> List[str]:
+    """Where a checkpoint of ``num_parts`` parts named ``path`` lives (``path`` itself for 1)."""
+    return [path] if num_parts == 1 else [part_path(path, r) for r in range(num_parts)]
 
 
 def find_part_files(path: str) -> List[str]:
@@ -129,62 +77,39 @@ def find_part_files(path: str) -> List[str]:
     return [part_path(path, r) for r in ranks]
 
 
+# ------------------------------------------------------------------ configs
+
+
 def model_config(state: dict):
-    """The model's Namespace/dict config of a checkpoint: old ``args`` or newer ``cfg.model``."""
+    """The model's config in a checkpoint: newer ``cfg.model`` or old ``args`` (Namespace or dict)."""
     if state.get("cfg") is not None and state["cfg"].get("model") is not None:
         return state["cfg"]["model"]
-    return state["args"]
+    return state.get("args")
 
 
 def config_value(config, name: str, default=None):
+    if config is None:
+        return default
     return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
 
 
+def _set(config, name, value):
+    if isinstance(config, dict):
+        config[name] = value
+    else:
+        setattr(config, name, value)
+
+
 def set_model_parallel_size(state: dict, size: int, padded_vocab_size: int) -> None:
-    """Record a new model-parallel size (and the vocabulary size it must keep) everywhere
-    fairseq reads it: ``args``, ``cfg.common`` and ``cfg.model``."""
-    configs = [state.get("args")]
+    """Record a new model-parallel size, and the vocabulary size the model must
+    keep, everywhere fairseq reads them: ``args``, ``cfg.common``, ``cfg.model``."""
     cfg = state.get("cfg")
-    if cfg is not None:
-        if cfg.get("common") is not None:
-            cfg["common"]["model_parallel_size"] = size
-        configs.append(cfg.get("model"))
-    for config in configs:
-        if config is None:
-            continue
-        if isinstance(config, dict):
-            config["model_parallel_size"] = size
-            config["padded_vocab_size"] = padded_vocab_size
-        else:
-            config.model_parallel_size = size
-            config.padded_vocab_size = padded_vocab_size
-
-
-def load_parts(path: str) -> List[dict]:
-    """Load every model part of checkpoint ``path`` (trusted files only: full unpickling).
-
-    Raises:
-        FileNotFoundError: see :func:`find_part_files`.
-        CheckpointError: a file is truncated or not a fairseq checkpoint, or
-            the number of parts differs from the model-parallel size they record.
-    """
-    files = find_part_files(path)
-    parts = []
-    for f in files:
-        try:
-            state = torch.load(f, map_location="cpu", weights_only=False, mmap=True)
-        except Exception as e:  # truncated zip, not a torch file, ...
-            raise CheckpointError(f"cannot read {f}: {type(e).__name__}: {e}") from None
-        if not isinstance(state, dict) or "model" not in state:
-            raise CheckpointError(f"{f} is not a fairseq checkpoint (no 'model' entry)")
-        parts.append(state)
-    recorded = int(config_value(model_config(parts[0]), "model_parallel_size", 1) or 1)
-    if recorded != len(parts):
-        raise CheckpointError(
-            f"{path}: the checkpoint was saved at model-parallel size {recorded} but "
-            f"{len(parts)} part file(s) exist"
-        )
-    return parts
+    if cfg is not None and cfg.get("common") is not None:
+        cfg["common"]["model_parallel_size"] = size
+    for config in (state.get("args"), cfg.get("model") if cfg is not None else None):
+        if config is not None:
+            _set(config, "model_parallel_size", size)
+            _set(config, "padded_vocab_size", padded_vocab_size)
 
 
 def check_divisible(config, padded_vocab_size: int, size: int) -> None:
@@ -198,39 +123,254 @@ def check_divisible(config, padded_vocab_size: int, size: int) -> None:
             raise CheckpointError(f"model-parallel size {size} does not divide the {what} ({n})")
 
 
-def reshard(input_path: str, output_path: str, new_size: int) -> List[str]:
+# ------------------------------------------------------------------ reading
+
+
+def _load(path: str) -> dict:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:  # truncated zip, not a torch file, ...
+        raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise CheckpointError(f"{path} is not a fairseq checkpoint (no 'model' entry)")
+    return state
+
+
+class PartFiles:
+    """The part files of one checkpoint, memory-mapped on demand.
+
+    :meth:`models` maps every part and returns their model state dicts; the
+    caller drops them (and calls :meth:`release`) when done, which unmaps
+    the files, so pages read for one layer do not stay resident.
+
+    Raises (on construction):
+        FileNotFoundError / CheckpointError: missing, truncated or foreign
+            files; parts with different tensors; a part count that differs
+            from the model-parallel size the checkpoint records.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.files = find_part_files(path)
+        first = _load(self.files[0])
+        self.keys = list(first["model"].keys())
+        for f in self.files[1:]:
+            if list(_load(f)["model"].keys()) != self.keys:
+                raise CheckpointError(f"{f} holds different tensors than {self.files[0]}")
+        self.metadata = {k: v for k, v in first.items() if k != "model"}
+        self.aliases = tied_keys(first["model"])
+        recorded = int(config_value(model_config(first), "model_parallel_size", 1) or 1)
+        if recorded != len(self.files):
+            raise CheckpointError(
+                f"{path}: the checkpoint was saved at model-parallel size {recorded} but "
+                f"{len(self.files)} part file(s) exist"
+            )
+        self.padded_vocab_size = first["model"]["decoder.embed_tokens.weight"].size(0) * len(self.files)
+
+    def __len__(self):
+        return len(self.files)
+
+    def models(self) -> List[Dict[str, torch.Tensor]]:
+        return [_load(f)["model"] for f in self.files]
+
+    @staticmethod
+    def release() -> None:
+        gc.collect()
+
+
+def layer_groups(keys: Iterable[str]) -> List[List[str]]:
+    """Keys grouped by transformer layer (``decoder.layers.N.``), other keys in one group, order kept."""
+    groups: "OrderedDict[str, List[str]]" = OrderedDict()
+    for key in keys:
+        m = re.match(r"(.*\.layers\.\d+)\.", key)
+        groups.setdefault(m.group(1) if m else "", []).append(key)
+    return list(groups.values())
+
+
+# ------------------------------------------------------------------ writing
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """blake2b of the tensor's bytes, with its dtype and shape."""
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(memoryview(data))
+    return h.hexdigest()
+
+
+def _save_verified(state: dict, path: str, verify: bool) -> None:
+    tmp = path + ".tmp"
+    try:
+        torch.save(state, tmp)
+        if verify:
+            expected = {k: tensor_checksum(v) for k, v in state["model"].items()}
+            reread = _load(tmp)["model"]
+            bad = [k for k in expected if k not in reread or tensor_checksum(reread[k]) != expected[k]]
+            del reread
+            if bad:
+                raise CheckpointError(f"verification of {path} failed at tensor {bad[0]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _model_part(parts: PartFiles, rank: int, num_parts: int, check_replicas: bool,
+                progress: Optional[Callable[[str], None]]) -> Dict[str, torch.Tensor]:
+    out: Dict[str, torch.Tensor] = {}
+    for group in layer_groups(parts.keys):
+        models, tensors = parts.models(), []
+        for key in group:
+            if key in parts.aliases:
+                continue
+            tensors = [m[key] for m in models]
+            dim = partition_dim(key)
+            if dim is None:
+                if check_replicas:
+                    for i, t in enumerate(tensors[1:], start=1):
+                        if not torch.equal(t, tensors[0]):
+                            raise CheckpointError(
+                                f"replicated tensor {key} differs between model part 0 and part {i}: "
+                                f"the parts come from different checkpoints"
+                            )
+                out[key] = tensors[0].clone()
+            else:
+                out[key] = slice_for_part(tensors, dim, rank, num_parts)
+        del models, tensors
+        parts.release()
+        if progress:
+            progress(group[0])
+    for key, target in parts.aliases.items():
+        out[key] = out[target]
+    return OrderedDict((k, out[k]) for k in parts.keys)
+
+
+def _training_free_metadata(metadata: dict) -> dict:
+    state = {k: v for k, v in metadata.items() if k != "last_optimizer_state"}
+    state["extra_state"] = {
+        k: v for k, v in (state.get("extra_state") or {}).items() if k != "rng_tracker_states"
+    }
+    return state
+
+
+def _prepare(input_path: str, outputs: List[str]) -> PartFiles:
+    parts = PartFiles(input_path)
+    inputs = {os.path.realpath(f) for f in parts.files}
+    for o in outputs:
+        if os.path.realpath(o) in inputs:
+            raise CheckpointError(f"refusing to overwrite the input {o}")
+    return parts
+
+
+def reshard(input_path: str, output_path: str, new_size: int, verify: bool = True,
+            progress: Optional[Callable[[str], None]] = None) -> List[str]:
     """Rewrite checkpoint ``input_path`` (any model-parallel size) for size ``new_size``.
 
-    Model weights only: optimizer state and the per-rank RNG tracker states
-    are dropped (resume from the output with ``--reset-optimizer``). Output
-    files are written under temporary names and renamed; inputs are never
-    overwritten. Returns the written paths.
+    Model weights only: the optimizer state and the per-rank RNG tracker
+    states are dropped (resume from the output with ``--reset-optimizer``).
+    The padded vocabulary size is recorded in the config, so the model built
+    at the new size has exactly the same vocabulary rows. Returns the paths
+    written: ``output_path`` for size 1, else its ``-model_part-K`` names.
 
     Raises:
-        CheckpointError / FileNotFoundError: bad input (see :func:`load_parts`),
-            a size that does not divide the model, or outputs that would
-            overwrite inputs.
+        FileNotFoundError / CheckpointError: bad input (see :class:`PartFiles`),
+            a size that does not divide the model, outputs that would
+            overwrite inputs, or a failed verification.
     """
-    parts = load_parts(input_path)
-    merged = merge_model_parts([p["model"] for p in parts])
-    padded_vocab_size = merged["decoder.embed_tokens.weight"].size(0)
-    check_divisible(model_config(parts[0]), padded_vocab_size, new_size)
-
-    outputs = [output_path] if new_size == 1 else [part_path(output_path, r) for r in range(new_size)]
-    inputs = {os.path.realpath(f) for f in find_part_files(input_path)}
-    clash = [o for o in outputs if os.path.realpath(o) in inputs]
-    if clash:
-        raise CheckpointError(f"refusing to overwrite the input {clash[0]}")
-
+    outputs = output_paths(output_path, new_size)
+    parts = _prepare(input_path, outputs)
+    check_divisible(model_config(parts.metadata), parts.padded_vocab_size, new_size)
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
-    for out, model_state in zip(outputs, split_model_state(merged, new_size)):
-        state = {k: v for k, v in parts[0].items() if k not in ("model", "last_optimizer_state")}
-        state["model"] = model_state
-        state["extra_state"] = {
-            k: v for k, v in (state.get("extra_state") or {}).items() if k != "rng_tracker_states"
-        }
-        set_model_parallel_size(state, new_size, padded_vocab_size)
-        tmp = out + ".tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, out)
+    for rank, out in enumerate(outputs):
+        state = _training_free_metadata(parts.metadata)
+        state["model"] = _model_part(parts, rank, new_size, check_replicas=(rank == 0), progress=progress)
+        set_model_parallel_size(state, new_size, parts.padded_vocab_size)
+        _save_verified(state, out, verify)
+        del state
+        parts.release()
     return outputs
+
+
+# ------------------------------------------------------------------ stock fairseq
+
+
+def _plain(value):
+    """Config values as plain Python (no Namespace / omegaconf objects)."""
+    if isinstance(value, Namespace):
+        value = vars(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+def fairseq_transformer_lm_config(config, cfg: Optional[dict] = None) -> dict:
+    """Our model config translated to fairseq's ``transformer_lm`` dataclass config.
+
+    Keeps the fields ``TransformerLanguageModelConfig`` knows; fields that
+    fairseq fills by interpolation (``${task.tokens_per_sample}``,
+    ``${common.tpu}``) are resolved from the checkpoint's ``cfg`` (or the
+    field's type default), because the exported config stands alone.
+    """
+    from fairseq.models.transformer_lm import TransformerLanguageModelConfig
+
+    source = _plain(config)
+    cfg = cfg or {}
+    out = {}
+    for field in dataclasses.fields(TransformerLanguageModelConfig):
+        if field.name in source:
+            value = source[field.name]
+            if isinstance(value, bool) and field.type in (int, float, Optional[int], Optional[float]):
+                value = int(value)  # base_lm_architecture sets some int fields to False
+            out[field.name] = value
+            continue
+        default = field.default
+        m = re.fullmatch(r"\$\{(\w+)\.(\w+)\}", default) if isinstance(default, str) else None
+        if m:
+            out[field.name] = (cfg.get(m.group(1)) or {}).get(m.group(2), False if field.type is bool else None)
+    out["_name"] = "transformer_lm"
+    out["decoder_normalize_before"] = True  # every Megatron arch is pre-norm
+    return out
+
+
+def export_to_fairseq(input_path: str, output_path: str, vocab_size: Optional[int] = None,
+                      verify: bool = True) -> str:
+    """Write one checkpoint for fairseq's non-parallel ``transformer_lm``.
+
+    The result holds only tensors and plain Python values, so stock fairseq
+    loads it without ``--user-dir`` (and even with ``weights_only=True``).
+    ``vocab_size`` keeps only the first rows of the (padded) vocabulary: stock
+    fairseq builds its embedding with ``len(dictionary)`` rows, the size of
+    the data's dict.txt plus 4 special symbols. Rows beyond it belong to
+    ``madeupword`` padding symbols, which never occur in data; dropping them
+    removes their (small, after training) share of the softmax.
+
+    Raises:
+        CheckpointError: as :func:`reshard`, or ``vocab_size`` larger than the
+            checkpoint's vocabulary.
+    """
+    parts = _prepare(input_path, [output_path])
+    model = _model_part(parts, 0, 1, check_replicas=True, progress=None)
+    rows = parts.padded_vocab_size
+    if vocab_size is not None:
+        if vocab_size > rows:
+            raise CheckpointError(f"vocab size {vocab_size} is larger than the checkpoint's {rows} rows")
+        embed = model["decoder.embed_tokens.weight"][:vocab_size].clone()
+        for key in EMBED_KEYS:
+            if key in model:
+                model[key] = embed
+    cfg = _plain(parts.metadata.get("cfg") or {})
+    cfg["model"] = fairseq_transformer_lm_config(model_config(parts.metadata), cfg)
+    cfg.setdefault("common", {})["model_parallel_size"] = 1
+    cfg["criterion"] = {"_name": "cross_entropy", "sentence_avg": False}
+    history = _plain(parts.metadata.get("optimizer_history") or []) or [{"lr_scheduler_state": {}, "num_updates": 0}]
+    for entry in history:  # fairseq reads the last entry when it loads
+        entry["criterion_name"] = "CrossEntropyCriterion"
+    state = {"args": None, "cfg": cfg, "model": model, "optimizer_history": history, "extra_state": {}}
+    os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
+    _save_verified(state, output_path, verify)
+    return output_path

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fairseq_megatron import USER_DIR
-from fairseq_megatron.checkpoint_resharding import reshard
+from fairseq_megatron.checkpoint_resharding import export_to_fairseq, reshard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -73,11 +73,11 @@ def trained(tmp_path_factory):
     stdlib = make_corpus.sysconfig.get_paths()["stdlib"]
     corpus = make_corpus.build_corpus(make_corpus.stdlib_files(stdlib), stdlib, max_bytes=300_000)
     make_corpus.write_splits(corpus, text)
-    # 500 words: fairseq-preprocess pads the dictionary to 504 (multiple of 8);
-    # the model at size 2 pads it to 512 (multiple of 16).
+    # 512 symbols: a multiple of 16, so the model at size 2 adds no padding
+    # rows and stock fairseq (which never pads) builds the same vocabulary.
     fairseq("preprocess", ["--only-source", "--trainpref", f"{text}/train.txt", "--validpref",
                            f"{text}/valid.txt", "--testpref", f"{text}/test.txt", "--destdir", data,
-                           "--nwordssrc", "500"])
+                           "--nwordssrc", "512"])
     _, log = fairseq("train", train_args(data, ckpt, max_update=4), nproc=2)
     return {"root": root, "data": data, "ckpt": ckpt, "first_log": log}
 
@@ -122,6 +122,19 @@ def test_eval_lm_size_2_equals_size_1_on_same_weights(trained):
     assert evaluated_tokens(out2) == evaluated_tokens(out1)
     # eval-lm prints 4 decimals; fp32 reordering across shards is ~1e-6.
     assert abs(eval_loss(out2) - eval_loss(out1)) <= 2e-4, (eval_loss(out2), eval_loss(out1))
+
+
+def test_export_evaluates_in_stock_fairseq_without_user_dir(trained):
+    path = os.path.join(trained["ckpt"], "checkpoint_last.pt")
+    _, ours = fairseq("eval_lm", eval_args(trained["data"], path, 2), nproc=2)
+    plain = str(trained["root"] / "plain" / "model.pt")
+    export_to_fairseq(path, plain)
+    stock_args = [a for a in eval_args(trained["data"], plain, 1) if a != USER_DIR and a != "--user-dir"]
+    assert "--user-dir" not in stock_args
+    _, stock = fairseq("eval_lm", stock_args)
+    assert "fairseq_megatron" not in stock
+    assert evaluated_tokens(stock) == evaluated_tokens(ours)
+    assert abs(eval_loss(stock) - eval_loss(ours)) <= 2e-4, (eval_loss(stock), eval_loss(ours))
 
 
 def test_missing_part_file_is_reported(trained):

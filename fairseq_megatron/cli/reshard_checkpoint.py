@@ -1,32 +1,64 @@
 #!/usr/bin/env python
-"""Change the model-parallel size of a fairseq_megatron / Megatron-11b checkpoint.
+"""Change the model-parallel size of a checkpoint, or export it to plain fairseq.
 
-    fairseq-megatron-reshard --input ckpt/checkpoint_last.pt \\
-        --output merged/model.pt --model-parallel-size 1
+    fairseq-megatron-reshard --input megatron_11b/model.pt --output mp1/model.pt --model-parallel-size 1
+    fairseq-megatron-reshard --input ckpt/checkpoint_best.pt --output plain/model.pt \\
+        --to-fairseq --dict data-bin/dict.txt
 
 ``--input`` is what you would pass to fairseq as ``--path``: the part files
-``<name>-model_part-K.pt`` are found next to it. For size 1 the output is a
-single file; otherwise ``<output>-model_part-K.pt``. Only load checkpoints you
-trust (the files are fully unpickled).
+``<name>-model_part-K.pt`` are found next to it. For size 1 the output is one
+file, otherwise ``<output>-model_part-K.pt``. Only the model weights are kept
+(resume training from the output with ``--reset-optimizer``). Only use
+checkpoints you trust: the files are fully unpickled.
 """
 
 import argparse
 import sys
 
-from fairseq_megatron.checkpoint_resharding import CheckpointError, reshard
+from tqdm import tqdm
+
+from fairseq_megatron.checkpoint_layout import CheckpointError
+from fairseq_megatron.checkpoint_resharding import PartFiles, export_to_fairseq, layer_groups, reshard
+
+
+def dictionary_size(path: str) -> int:
+    """``len(fairseq.data.Dictionary.load(path))``: 4 special symbols plus one per line."""
+    from fairseq.data import Dictionary
+
+    return len(Dictionary.load(path))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="checkpoint path as given to fairseq --path")
-    parser.add_argument("--output", required=True, help="output path (.pt); part suffixes are added for size > 1")
-    parser.add_argument("--model-parallel-size", type=int, required=True, help="new model-parallel size")
+    parser.add_argument("--output", required=True, help="output .pt path; part suffixes are added for size > 1")
+    parser.add_argument("--model-parallel-size", type=int, help="new model-parallel size")
+    parser.add_argument("--to-fairseq", action="store_true",
+                        help="write one checkpoint for fairseq's own transformer_lm (no --user-dir needed)")
+    parser.add_argument("--dict", help="with --to-fairseq: the data's dict.txt; the vocabulary is cut to its size")
+    parser.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="skip re-reading each output and comparing per-tensor checksums")
+    parser.add_argument("--keep-optimizer", action="store_true",
+                        help="reshard the optimizer state too (not supported: refused)")
     args = parser.parse_args(argv)
-    if args.model_parallel_size < 1:
-        parser.error("--model-parallel-size must be >= 1")
+
     try:
-        written = reshard(args.input, args.output, args.model_parallel_size)
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        if args.keep_optimizer:
+            raise CheckpointError(
+                "resharding optimizer state is not supported; reshard the weights and resume "
+                "with --reset-optimizer"
+            )
+        if args.to_fairseq:
+            vocab = dictionary_size(args.dict) if args.dict else None
+            print(export_to_fairseq(args.input, args.output, vocab_size=vocab, verify=args.verify))
+            return 0
+        if args.model_parallel_size is None or args.model_parallel_size < 1:
+            raise CheckpointError("--model-parallel-size N (N >= 1) is required unless --to-fairseq")
+        steps = len(layer_groups(PartFiles(args.input).keys)) * args.model_parallel_size
+        with tqdm(total=steps, desc="resharding", unit="layer", disable=None) as bar:
+            written = reshard(args.input, args.output, args.model_parallel_size, verify=args.verify,
+                              progress=lambda _: bar.update())
+    except (CheckpointError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     for path in written:

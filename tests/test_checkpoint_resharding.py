@@ -1,0 +1,239 @@
+"""Resharding checkpoint files between model-parallel sizes, and export to stock fairseq.
+
+Logit tolerance (fp32): rtol=atol=1e-5, as in test_model_parity.py: the
+weights are bitwise the same at every size; only the order of the fp32 sums
+in row-parallel layers and the gathered vocabulary changes (~1e-6).
+"""
+
+import os
+import subprocess
+import sys
+from argparse import Namespace
+
+import pytest
+import torch
+
+from fairseq_megatron.checkpoint_layout import CheckpointError, split_model_state
+from fairseq_megatron.checkpoint_resharding import (
+    PartFiles,
+    export_to_fairseq,
+    find_part_files,
+    output_paths,
+    part_path,
+    reshard,
+)
+from fairseq_megatron.cli import reshard_checkpoint
+from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
+from fairseq_megatron import parallel_state
+from tests.helpers import LMTask, make_batch, make_dictionary, model_args, run_distributed
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+# 4 specials + 50 words = 54 symbols: padded to 56 at size 1, to 64 at size 2.
+WORDS = 50
+
+
+def _build(size, args=None, seed=0):
+    torch.manual_seed(seed)
+    args = args or model_args(size)
+    model = ModelParallelTransformerLanguageModel.build_model(args, LMTask(make_dictionary(WORDS)))
+    return model, args
+
+
+def save_checkpoint(path, num_parts, style="cfg", seed=0):
+    """A checkpoint as fairseq-train writes it at ``num_parts`` model parts.
+
+    The weights come from a model built at size 2 in this process (so the
+    vocabulary is padded to 64 = a multiple of 16), split into parts.
+    """
+    import fairseq_megatron.parallel_state as ps
+
+    assert ps.get_tensor_model_parallel_world_size() == 1
+    # build "as if" at size 2: pad the vocabulary the way size 2 would
+    args = model_args(1, padded_vocab_size=64)
+    model, args = _build(1, args, seed)
+    with torch.no_grad():  # move layer norms away from their init, as training would
+        for n, p in model.named_parameters():
+            if "layer_norm" in n or n.endswith("out_proj.bias") or n.endswith("fc2.bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    args.model_parallel_size = num_parts
+    full = model.state_dict()
+    for rank, (out, part) in enumerate(zip(output_paths(path, num_parts), split_model_state(full, num_parts))):
+        state = {
+            "model": part,
+            "optimizer_history": [{"num_updates": 5}],
+            "last_optimizer_state": {"state": {0: torch.zeros(3)}},
+            "extra_state": {"rng_tracker_states": {"model-parallel-rng": {"seed": rank}}, "epoch": 1},
+        }
+        if style == "cfg":
+            state["cfg"] = {"common": {"model_parallel_size": num_parts}, "model": Namespace(**vars(args))}
+        else:
+            state["args"] = Namespace(**vars(args))
+        torch.save(state, out)
+    return full
+
+
+def _models(path):
+    return [torch.load(f, weights_only=False)["model"] for f in find_part_files(path)]
+
+
+@pytest.mark.parametrize("style", ["cfg", "args"])
+def test_round_trip_2_1_4_2_is_bitwise_identical(tmp_path, style):
+    src = str(tmp_path / "src" / "model.pt")
+    os.makedirs(os.path.dirname(src))
+    save_checkpoint(src, 2, style)
+    one = str(tmp_path / "one" / "model.pt")
+    four = str(tmp_path / "four" / "model.pt")
+    back = str(tmp_path / "back" / "model.pt")
+    assert reshard(src, one, 1) == [one]
+    assert reshard(one, four, 4) == [part_path(four, r) for r in range(4)]
+    assert reshard(four, back, 2) == [part_path(back, 0), part_path(back, 1)]
+
+    for original, final in zip(_models(src), _models(back)):
+        assert list(original) == list(final)
+        for key in original:
+            assert torch.equal(original[key], final[key]), key
+
+    state = torch.load(one, weights_only=False)
+    cfg = state["args"] if style == "args" else state["cfg"]["model"]
+    assert (cfg.model_parallel_size, cfg.padded_vocab_size) == (1, 64)
+    assert "last_optimizer_state" not in state and "rng_tracker_states" not in state["extra_state"]
+    model = state["model"]
+    assert model["decoder.embed_tokens.weight"].shape == (64, 32)
+    # the tied output projection is saved as the same tensor, not a copy
+    assert model["decoder.output_projection.weight"].data_ptr() == model["decoder.embed_tokens.weight"].data_ptr()
+
+
+def _logits_worker(rank, world_size, path, tokens):
+    from tests.helpers import init_model_parallel
+
+    init_model_parallel(world_size)
+    state = torch.load(part_path(path, rank) if world_size > 1 else path, weights_only=False)
+    model, _ = _build(world_size, state["cfg"]["model"])
+    model.load_state_dict(state["model"], strict=True)
+    model.eval()
+    with torch.no_grad():
+        return {"tp": parallel_state.get_tensor_model_parallel_world_size(), "logits": model(tokens)[0]}
+
+
+def test_resharded_parts_give_the_same_logits_at_sizes_1_2_4(tmp_path):
+    src = str(tmp_path / "src" / "model.pt")
+    os.makedirs(os.path.dirname(src))
+    save_checkpoint(src, 2)
+    paths = {n: str(tmp_path / f"mp{n}" / "model.pt") for n in (1, 2, 4)}
+    for n, p in paths.items():
+        reshard(src, p, n)
+    tokens, _ = make_batch(make_dictionary(WORDS), seed=4)
+
+    # size 1 in this process: the model pads 54 symbols to the recorded 64
+    state = torch.load(paths[1], weights_only=False)
+    model, args = _build(1, state["cfg"]["model"])
+    assert args.padded_vocab_size == 64
+    model.load_state_dict(state["model"], strict=True)
+    model.eval()
+    with torch.no_grad():
+        reference = model(tokens)[0]
+    for n in (2, 4):
+        for r in run_distributed(_logits_worker, n, tmp_path / f"run{n}", paths[n], tokens):
+            assert r["tp"] == n
+            torch.testing.assert_close(r["logits"], reference, **TOL)
+
+
+STOCK_FAIRSEQ = r"""
+import sys, torch
+from omegaconf import OmegaConf
+import fairseq.models
+from fairseq.data import Dictionary
+assert "fairseq_megatron" not in sys.modules
+path, tokens_path, out_path, words = sys.argv[1:5]
+state = torch.load(path, weights_only=True)  # plain tensors and Python values only
+d = Dictionary()
+for i in range(int(words)):
+    d.add_symbol(f"w{i}")
+class Task:
+    source_dictionary = target_dictionary = d
+cfg = OmegaConf.create(state["cfg"])
+model = fairseq.models.build_model(cfg.model, Task(), from_checkpoint=True)
+model.load_state_dict(state["model"], strict=True)
+model.eval()
+with torch.no_grad():
+    torch.save(model(torch.load(tokens_path))[0], out_path)
+print(type(model).__name__)
+"""
+
+
+@pytest.mark.parametrize("cut_vocab", [False, True], ids=["all-rows", "cut-to-dictionary"])
+def test_export_to_fairseq_loads_in_stock_transformer_lm(tmp_path, cut_vocab):
+    src = str(tmp_path / "src" / "model.pt")
+    os.makedirs(os.path.dirname(src))
+    save_checkpoint(src, 2)
+    merged = str(tmp_path / "mp1" / "model.pt")
+    reshard(src, merged, 1)
+    exported = str(tmp_path / "plain" / "model.pt")
+    vocab = 4 + WORDS if cut_vocab else None
+    export_to_fairseq(src, exported, vocab_size=vocab)
+
+    tokens, _ = make_batch(make_dictionary(WORDS), seed=5)
+    torch.save(tokens, tmp_path / "tokens.pt")
+    # stock fairseq builds len(dictionary) rows: pad the test dictionary like the data's would be
+    words = WORDS if cut_vocab else 64 - 4
+    proc = subprocess.run([sys.executable, "-c", STOCK_FAIRSEQ, exported, str(tmp_path / "tokens.pt"),
+                           str(tmp_path / "stock.pt"), str(words)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("TransformerLanguageModel")
+    stock = torch.load(tmp_path / "stock.pt")
+
+    state = torch.load(merged, weights_only=False)
+    model, _ = _build(1, state["cfg"]["model"])
+    model.load_state_dict(state["model"], strict=True)
+    model.eval()
+    with torch.no_grad():
+        ours = model(tokens)[0]
+    rows = 4 + WORDS if cut_vocab else 64
+    assert stock.shape[-1] == rows
+    torch.testing.assert_close(stock, ours[..., :rows], **TOL)
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    path = str(tmp_path / "model.pt")
+    save_checkpoint(path, 2)
+    out = tmp_path / "out"
+
+    def run(*argv):
+        rc = reshard_checkpoint.main(["--input", path, "--output", str(out / "m.pt"), *argv])
+        return rc, capsys.readouterr().err.strip()
+
+    assert run("--model-parallel-size", "3") == (1, "error: model-parallel size 3 does not divide the attention heads (8)")
+    assert run("--model-parallel-size", "2", "--keep-optimizer")[1].startswith(
+        "error: resharding optimizer state is not supported")
+    assert not out.exists() or not os.listdir(out), "a failed run left files behind"
+
+    with pytest.raises(CheckpointError, match="refusing to overwrite"):
+        reshard(path, path, 2)
+
+    # truncated part
+    data = open(part_path(path, 1), "rb").read()
+    open(part_path(path, 1), "wb").write(data[: len(data) // 2])
+    rc, err = run("--model-parallel-size", "1")
+    assert rc == 1 and err.startswith("error: cannot read ") and "model-model_part-1.pt" in err
+    assert len(err.splitlines()) == 1
+
+    # missing part
+    os.remove(part_path(path, 1))
+    rc, err = run("--model-parallel-size", "1")
+    assert (rc, err) == (1, f"error: {path}: the checkpoint was saved at model-parallel size 2 but 1 part file(s) exist")
+    os.remove(part_path(path, 0))
+    rc, err = run("--model-parallel-size", "1")
+    assert rc == 1 and err.startswith("error: no checkpoint")
+
+
+def test_mixed_parts_from_two_checkpoints(tmp_path):
+    a = str(tmp_path / "a" / "model.pt")
+    b = str(tmp_path / "b" / "model.pt")
+    os.makedirs(os.path.dirname(a))
+    os.makedirs(os.path.dirname(b))
+    save_checkpoint(a, 2, seed=0)
+    save_checkpoint(b, 2, seed=1)
+    os.replace(part_path(b, 1), part_path(a, 1))
+    with pytest.raises(CheckpointError, match="differs between model part 0 and part 1"):
+        reshard(a, str(tmp_path / "m.pt"), 1)
+    assert PartFiles(a).padded_vocab_size == 64

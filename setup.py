@@ -14,7 +14,7 @@ setup(
         "torch>=2.0",
         "fairscale==0.4.13",
         "sacremoses",
-        "numpy",
+        "numpy<2",  # fairseq 0.12 uses numpy.compat (gone in numpy 2), e.g. in TokenBlockDataset
         "regex",
         "tqdm",
     ],

@@ -199,17 +199,39 @@ def tensor_checksum(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+VERIFY_CHUNK_BYTES = 256 * 2**20
+
+
+def _verify(path: str, expected: Dict[str, str]) -> None:
+    """Re-read ``path`` and compare per-tensor checksums, mapping at most
+    about VERIFY_CHUNK_BYTES of it at a time."""
+    keys, i = list(expected), 0
+    while i < len(keys):
+        model, budget = _load(path)["model"], 0
+        while i < len(keys) and budget < VERIFY_CHUNK_BYTES:
+            key = keys[i]
+            if key not in model or tensor_checksum(model[key]) != expected[key]:
+                raise CheckpointError(f"verification of {path} failed at tensor {key}")
+            budget += model[key].nbytes
+            i += 1
+        del model
+        gc.collect()
+
+
 def _save_verified(state: dict, path: str, verify: bool) -> None:
+    """Write ``state`` to ``path.tmp``, optionally verify it, rename it to ``path``.
+
+    Consumes ``state``: it is emptied after writing, so the tensors are freed
+    before the file is re-read.
+    """
     tmp = path + ".tmp"
     try:
+        expected = {k: tensor_checksum(v) for k, v in state["model"].items()} if verify else None
         torch.save(state, tmp)
+        state.clear()
+        gc.collect()
         if verify:
-            expected = {k: tensor_checksum(v) for k, v in state["model"].items()}
-            reread = _load(tmp)["model"]
-            bad = [k for k in expected if k not in reread or tensor_checksum(reread[k]) != expected[k]]
-            del reread
-            if bad:
-                raise CheckpointError(f"verification of {path} failed at tensor {bad[0]}")
+            _verify(tmp, expected)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

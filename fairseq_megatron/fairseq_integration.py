@@ -19,10 +19,14 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    fairseq's checkpoint loader (only it) again loads full pickles. **Only load
    checkpoints you trust** (your own, or the published Megatron-11b files):
    unpickling can run code.
-5. :func:`_eval_lm_shards_by_data_parallel_rank` -- ``fairseq-eval-lm`` shards
-   the data by global rank, so the ranks of one model-parallel group would
-   see different batches. With model parallelism the shards follow the
-   data-parallel rank instead: every token is scored once, by a whole group.
+5. :func:`_shard_by_data_parallel_rank` -- ``fairseq-eval-lm`` and
+   ``fairseq-generate`` shard the data by global rank, so the ranks of one
+   model-parallel group would see different batches. With model parallelism
+   the shards follow the data-parallel rank instead: every token is scored
+   once, by a whole group.
+6. :func:`_model_parallel_generate` -- ``fairseq-generate`` never starts
+   torch.distributed; with ``--model-parallel-size N`` it now does, and only
+   model-parallel rank 0 prints the hypotheses.
 """
 
 import functools
@@ -48,7 +52,8 @@ def install() -> None:
     _enable_megatron_trainer()
     _launch_on_cpu()
     _trusted_checkpoint_loading()
-    _eval_lm_shards_by_data_parallel_rank()
+    _shard_by_data_parallel_rank()
+    _model_parallel_generate()
     _INSTALLED = True
 
 
@@ -134,30 +139,83 @@ def _trusted_checkpoint_loading() -> None:
         checkpoint_utils.torch = _TorchWithTrustedLoad()
 
 
-def _eval_lm_shards_by_data_parallel_rank() -> None:
+def _data_parallel_shard(num_shards: int, shard_id: int):
+    """Map fairseq's global-rank sharding onto data-parallel ranks under model parallelism.
+
+    fairseq-eval-lm and fairseq-generate pass ``num_shards=world size,
+    shard_id=global rank``; the trainer already passes data-parallel values
+    (which differ from those whenever model parallelism is on), so only the
+    global ones are rewritten.
+    """
     import torch.distributed as dist
-    from fairseq.tasks.language_modeling import LanguageModelingTask
 
     from fairseq_megatron import parallel_state
 
-    original = LanguageModelingTask.eval_lm_dataloader
+    if (
+        parallel_state.model_parallel_is_initialized()
+        and parallel_state.get_tensor_model_parallel_world_size() > 1
+        and num_shards == dist.get_world_size()
+        and shard_id == dist.get_rank()
+    ):
+        return parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    return num_shards, shard_id
 
-    @functools.wraps(original)
-    def eval_lm_dataloader(self, dataset, *args, num_shards=1, shard_id=0, **kwargs):
-        if (
-            parallel_state.model_parallel_is_initialized()
-            and parallel_state.get_tensor_model_parallel_world_size() > 1
-            and num_shards == dist.get_world_size()
-            and shard_id == dist.get_rank()
-        ):
-            num_shards = parallel_state.get_data_parallel_world_size()
-            shard_id = parallel_state.get_data_parallel_rank()
-            if num_shards > 1:
-                logger.warning(
-                    "eval-lm: %d model-parallel groups each score 1/%d of the data; "
-                    "each group reports the perplexity of its own shard",
-                    num_shards, num_shards,
-                )
-        return original(self, dataset, *args, num_shards=num_shards, shard_id=shard_id, **kwargs)
 
-    LanguageModelingTask.eval_lm_dataloader = eval_lm_dataloader
+def _shard_by_data_parallel_rank() -> None:
+    from fairseq.tasks.fairseq_task import FairseqTask
+    from fairseq.tasks.language_modeling import LanguageModelingTask
+
+    def wrap(cls, name):
+        original = getattr(cls, name)
+
+        @functools.wraps(original)
+        def method(self, *args, num_shards=1, shard_id=0, **kwargs):
+            num_shards, shard_id = _data_parallel_shard(num_shards, shard_id)
+            return original(self, *args, num_shards=num_shards, shard_id=shard_id, **kwargs)
+
+        setattr(cls, name, method)
+
+    wrap(LanguageModelingTask, "eval_lm_dataloader")  # fairseq-eval-lm
+    wrap(FairseqTask, "get_batch_iterator")  # fairseq-generate
+
+
+def _model_parallel_generate() -> None:
+    """fairseq-generate with ``--model-parallel-size N``.
+
+    ``fairseq_cli/generate.py`` calls ``main(args)`` directly, never
+    fairseq's distributed launcher, so no model-parallel group (and no
+    ``-model_part-K`` checkpoint suffix) would exist. With N > 1 the call goes
+    through ``distributed_utils.call_main`` first, as fairseq-train and
+    fairseq-eval-lm do. Every rank of a group then computes the same
+    hypotheses; only model-parallel rank 0 prints them (or writes
+    ``--results-path``), the others write to /dev/null.
+    """
+    import torch.distributed as dist
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.distributed import utils as dist_utils
+    from fairseq_cli import generate
+
+    from fairseq_megatron import parallel_state
+
+    def patch(module):
+        original_main = module.main
+
+        @functools.wraps(original_main)
+        def main(cfg):
+            if not hasattr(cfg, "common_eval"):  # an argparse Namespace
+                cfg = convert_namespace_to_omegaconf(cfg)
+            if cfg.common.model_parallel_size > 1 and not dist.is_initialized():
+                return dist_utils.call_main(cfg, main)
+            if parallel_state.model_parallel_is_initialized() and parallel_state.get_tensor_model_parallel_rank() != 0:
+                with open(os.devnull, "w") as devnull:
+                    return module._main(cfg, devnull)
+            return original_main(cfg)
+
+        module.main = main
+
+    patch(generate)
+    # `python -m fairseq_cli.generate` runs the file as __main__, a second module object
+    main_module = sys.modules.get("__main__")
+    spec = getattr(main_module, "__spec__", None)
+    if spec is not None and spec.name == "fairseq_cli.generate" and hasattr(main_module, "main"):
+        patch(main_module)

@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""Peak memory and time of resharding a large generated checkpoint (8 -> 1 -> 8 parts).
+
+    python scripts/benchmark_reshard.py --work-dir /tmp/reshard_bench [--layers 24 --hidden 2048]
+
+Writes a random fp16 checkpoint of the given transformer_lm_megatron shape as
+8 part files (about 1.3B parameters by default: 24 x 2048, FFN 8192, vocab
+51200), then runs ``fairseq-megatron-reshard`` 8 -> 1 and 1 -> 8 in child
+processes and prints, for each, the wall time, the child's peak RSS
+(``ru_maxrss``) and its ratio to the largest output file. The target is a
+ratio below 1.5: resharding must work on a machine with less RAM than the
+checkpoint. The interpreter with torch and fairseq imported is printed too
+(about 0.33 GB): it is a fixed cost, so the ratio of small outputs is higher.
+"""
+
+import argparse
+import os
+import resource
+import subprocess
+import sys
+import time
+from argparse import Namespace
+
+import torch
+
+from fairseq_megatron.checkpoint_layout import partition_dim
+from fairseq_megatron.checkpoint_resharding import part_path
+
+
+def layer_shapes(hidden: int, ffn: int):
+    """(name, full shape) of one layer's tensors, in fairseq's order."""
+    shapes = []
+    for p in ("k_proj", "v_proj", "q_proj", "out_proj"):
+        shapes += [(f"self_attn.{p}.weight", (hidden, hidden)), (f"self_attn.{p}.bias", (hidden,))]
+    shapes += [("self_attn_layer_norm.weight", (hidden,)), ("self_attn_layer_norm.bias", (hidden,)),
+               ("fc1.weight", (ffn, hidden)), ("fc1.bias", (ffn,)),
+               ("fc2.weight", (hidden, ffn)), ("fc2.bias", (hidden,)),
+               ("final_layer_norm.weight", (hidden,)), ("final_layer_norm.bias", (hidden,))]
+    return shapes
+
+
+def model_shapes(layers: int, hidden: int, ffn: int, vocab: int):
+    shapes = [("decoder.embed_tokens.weight", (vocab, hidden))]
+    for i in range(layers):
+        shapes += [(f"decoder.layers.{i}.{n}", s) for n, s in layer_shapes(hidden, ffn)]
+    shapes += [("decoder.layer_norm.weight", (hidden,)), ("decoder.layer_norm.bias", (hidden,))]
+    return shapes
+
+
+def write_parts(path: str, parts: int, layers: int, hidden: int, ffn: int, heads: int, vocab: int,
+                dtype: torch.dtype = torch.float16) -> int:
+    """Write a random checkpoint as ``parts`` part files, one part in memory at a time.
+    Returns the parameter count."""
+    shapes = model_shapes(layers, hidden, ffn, vocab)
+    args = Namespace(arch="transformer_lm_megatron", decoder_layers=layers, decoder_embed_dim=hidden,
+                     decoder_ffn_embed_dim=ffn, decoder_attention_heads=heads, model_parallel_size=parts,
+                     share_decoder_input_output_embed=True)
+    for rank in range(parts):
+        model = {}
+        for i, (key, shape) in enumerate(shapes):
+            g = torch.Generator().manual_seed(i)  # same full tensor on every rank
+            dim = partition_dim(key)
+            if dim is None:
+                model[key] = torch.randn(shape, generator=g).to(dtype)
+            else:
+                local = list(shape)
+                local[dim] //= parts
+                g.manual_seed(i * 1000 + rank)
+                model[key] = torch.randn(local, generator=g).to(dtype)
+        model["decoder.output_projection.weight"] = model["decoder.embed_tokens.weight"]
+        torch.save({"args": args, "model": model, "optimizer_history": [{"num_updates": 0}]}, part_path(path, rank))
+        del model
+    return sum(torch.Size(s).numel() for _, s in shapes)
+
+
+_MEASURE = (
+    "import resource, subprocess, sys\n"
+    "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL)\n"
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+)
+
+
+def timed_child(argv):
+    """Run ``argv`` under a fresh intermediate process that reports the peak RSS
+    of its only child (ru_maxrss is a maximum over all children ever waited for,
+    so each measurement needs its own parent). Returns (seconds, bytes)."""
+    start = time.time()
+    out = subprocess.run([sys.executable, "-c", _MEASURE, *argv], check=True, capture_output=True, text=True)
+    return time.time() - start, int(out.stdout.split()[-1]) * 1024  # Linux reports KiB
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work-dir", required=True)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--ffn", type=int, default=8192)
+    parser.add_argument("--vocab", type=int, default=51200)
+    parser.add_argument("--parts", type=int, default=8)
+    parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
+    args = parser.parse_args(argv)
+
+    os.makedirs(args.work_dir, exist_ok=True)
+    src = os.path.join(args.work_dir, "src", "model.pt")
+    os.makedirs(os.path.dirname(src), exist_ok=True)
+    t = time.time()
+    n_params = write_parts(src, args.parts, args.layers, args.hidden, args.ffn, args.heads, args.vocab,
+                           getattr(torch, args.dtype))
+    print(f"generated {n_params / 1e9:.2f}B parameters ({args.dtype}) as {args.parts} parts "
+          f"in {time.time() - t:.0f}s", flush=True)
+    _, baseline = timed_child([sys.executable, "-c", "import fairseq_megatron"])
+    print(f"baseline: a Python process that imports the package peaks at {baseline / 1e9:.2f} GB", flush=True)
+
+    one = os.path.join(args.work_dir, "mp1", "model.pt")
+    back = os.path.join(args.work_dir, f"mp{args.parts}", "model.pt")
+    tool = [sys.executable, "-m", "fairseq_megatron.cli.reshard_checkpoint"]
+    rows = []
+    for label, inp, out, size in ((f"{args.parts} -> 1", src, one, 1), (f"1 -> {args.parts}", one, back, args.parts)):
+        seconds, peak = timed_child([*tool, "--input", inp, "--output", out, "--model-parallel-size", str(size)])
+        outputs = [out] if size == 1 else [part_path(out, r) for r in range(size)]
+        largest = max(os.path.getsize(o) for o in outputs)
+        rows.append((label, seconds, peak, largest))
+
+    print()
+    print(f"{'reshard':>8} | {'time s':>7} | {'peak RSS GB':>11} | {'largest output GB':>17} | ratio | target < 1.5")
+    for label, seconds, peak, largest in rows:
+        ratio = peak / largest
+        print(f"{label:>8} | {seconds:7.1f} | {peak / 1e9:11.2f} | {largest / 1e9:17.2f} | {ratio:5.2f} | "
+              f"{'ok' if ratio < 1.5 else 'ABOVE TARGET'}")
+
+
+if __name__ == "__main__":
+    main()

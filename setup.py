@@ -17,8 +17,9 @@ setup(
         "numpy<2",  # fairseq 0.12 uses numpy.compat (gone in numpy 2), e.g. in TokenBlockDataset
         "regex",
         "tqdm",
+        "tiktoken",  # fast GPT-2 BPE in examples/megatron_11b
     ],
-    extras_require={"test": ["pytest"]},
+    extras_require={"test": ["pytest", "tokenizers"]},
     entry_points={
         "console_scripts": [
             "fairseq-megatron-reshard = fairseq_megatron.cli.reshard_checkpoint:main",

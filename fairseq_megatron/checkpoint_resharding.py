@@ -199,7 +199,7 @@ def tensor_checksum(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-VERIFY_CHUNK_BYTES = 256 * 2**20
+VERIFY_CHUNK_BYTES = 64 * 2**20
 
 
 def _verify(path: str, expected: Dict[str, str]) -> None:

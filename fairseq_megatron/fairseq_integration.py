@@ -30,14 +30,11 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
 """
 
 import functools
-import logging
 import os
 import sys
 import types
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 _INSTALLED = False
 _TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")

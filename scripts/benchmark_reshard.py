@@ -15,7 +15,6 @@ checkpoint. The interpreter with torch and fairseq imported is printed too
 
 import argparse
 import os
-import resource
 import subprocess
 import sys
 import time

@@ -2,6 +2,8 @@
 
 import os
 import pickle
+import subprocess
+import sys
 import traceback
 from argparse import Namespace
 
@@ -125,3 +127,20 @@ def init_model_parallel(model_parallel_size: int, seed: int = 0):
     model_parallel_manual_seed(seed)
     assert parallel_state.get_tensor_model_parallel_world_size() == model_parallel_size
     return get_rng_tracker()
+
+
+# ---------------------------------------------------------------- command lines
+
+ENV = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+
+
+def fairseq(tool, args, nproc=None, check=True, timeout=300):
+    """Run ``fairseq_cli.<tool>`` (under torchrun with ``nproc`` processes); return (rc, output)."""
+    cmd = [sys.executable]
+    if nproc:
+        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    cmd += ["-m", f"fairseq_cli.{tool}"] + args
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc.returncode, proc.stdout

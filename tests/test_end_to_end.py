@@ -16,30 +16,18 @@ import torch
 
 from fairseq_megatron import USER_DIR
 from fairseq_megatron.checkpoint_resharding import export_to_fairseq, reshard
+from tests.helpers import ENV, fairseq
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 import make_corpus  # noqa: E402
 
-ENV = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
 MODEL = [
     "--task", "language_modeling", "--arch", "transformer_lm_megatron_11b",
     "--decoder-layers", "2", "--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "256",
     "--decoder-attention-heads", "4", "--share-decoder-input-output-embed",
     "--sample-break-mode", "none", "--tokens-per-sample", "32",
 ]
-
-
-def fairseq(tool, args, nproc=None, check=True, timeout=300):
-    """Run ``fairseq_cli.<tool>`` (under torchrun with ``nproc`` processes); return (rc, output)."""
-    cmd = [sys.executable]
-    if nproc:
-        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd += ["-m", f"fairseq_cli.{tool}"] + args
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, timeout=timeout)
-    if check:
-        assert proc.returncode == 0, proc.stdout[-4000:]
-    return proc.returncode, proc.stdout
 
 
 def train_args(data, save_dir, max_update):

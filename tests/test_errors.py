@@ -1,7 +1,6 @@
 """Clear errors for impossible configurations and bad checkpoints."""
 
 import pytest
-import torch
 
 from fairseq_megatron import parallel_state
 from tests.helpers import build_model, init_model_parallel, run_distributed

@@ -2,7 +2,6 @@
 
 from typing import Optional
 
-import torch
 import torch.nn as nn
 from fairseq import utils
 from fairseq.modules import LayerNorm

@@ -23,6 +23,7 @@ setup(
     entry_points={
         "console_scripts": [
             "fairseq-megatron-reshard = fairseq_megatron.cli.reshard_checkpoint:main",
+            "fairseq-megatron-plan = fairseq_megatron.cli.plan_parallelism:main",
         ]
     },
 )

@@ -1,0 +1,126 @@
+"""The parallelism planner against published parameter counts and measured memory."""
+
+import json
+
+import pytest
+import torch
+
+from fairseq_megatron.cli import plan_parallelism
+from fairseq_megatron.planner import ModelShape, PlanError, activation_bytes_per_layer, megatron_arch_shape, plan
+from tests.helpers import DIMS, build_model
+
+# Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU
+# Clusters Using Megatron-LM"), Table 1: (layers, hidden, heads, billions of
+# parameters); vocabulary 51200, sequence 2048, learned positions, FFN 4h.
+SCALING_TABLE = [
+    (24, 2304, 24, 1.7), (30, 3072, 32, 3.6), (36, 4096, 32, 7.5), (40, 6144, 48, 18.4),
+    (48, 8192, 64, 39.1), (60, 10240, 80, 76.1), (80, 12288, 96, 145.6), (96, 16384, 128, 310.1),
+    (105, 20480, 128, 529.6), (128, 25600, 160, 1008.0),
+]
+
+
+@pytest.mark.parametrize("layers,hidden,heads,billions", SCALING_TABLE)
+def test_parameter_counts_of_the_megatron_scaling_table(layers, hidden, heads, billions):
+    shape = ModelShape(layers, hidden, heads, 4 * hidden, 51200, 2048, learned_positions=True)
+    assert shape.parameters() / 1e9 == pytest.approx(billions, rel=0.03)
+
+
+def test_megatron_11b_has_about_11b_parameters():
+    shape = megatron_arch_shape("transformer_lm_megatron_11b", vocab=51200)
+    assert (shape.layers, shape.hidden, shape.heads, shape.ffn) == (72, 3072, 32, 18432)
+    assert shape.parameters() / 1e9 == pytest.approx(11.0, rel=0.03)
+
+
+def test_parameter_count_equals_a_built_model():
+    model, dictionary = build_model(1)
+    shape = ModelShape(DIMS["decoder_layers"], DIMS["decoder_embed_dim"], DIMS["decoder_attention_heads"],
+                       DIMS["decoder_ffn_embed_dim"], len(dictionary), 16)
+    assert shape.parameters() == sum(p.numel() for p in model.parameters())
+
+
+def test_weights_gradients_and_adam_state_match_measured_bytes():
+    """fp32 training: 4 bytes of weights, 4 of gradients, 8 of Adam state per parameter."""
+    model, dictionary = build_model(1)
+    tokens = torch.randint(4, len(dictionary), (2, 16))
+    opt = torch.optim.Adam(model.parameters())
+    model(tokens)[0].sum().backward()
+    opt.step()
+    params = list(model.parameters())
+    measured = {
+        "weights_gb": sum(p.numel() * p.element_size() for p in params) / 1e9,
+        "gradients_gb": sum(p.grad.numel() * p.grad.element_size() for p in params) / 1e9,
+        "optimizer_gb": sum(t.numel() * t.element_size() for s in opt.state.values()
+                            for k, t in s.items() if k != "step") / 1e9,
+    }
+    shape = ModelShape(DIMS["decoder_layers"], DIMS["decoder_embed_dim"], DIMS["decoder_attention_heads"],
+                       DIMS["decoder_ffn_embed_dim"], len(dictionary), 16)
+    (layout,) = [l for l in plan(shape, 1, 1, 80, 2, 2, precision="fp32") if l.tp == 1 and l.pp == 1]
+    for key, value in measured.items():
+        assert getattr(layout, key) == pytest.approx(value, rel=1e-9), key
+
+
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+def test_activation_estimate_within_15_percent_of_saved_tensors(dtype, precision):
+    """Bytes autograd keeps for one decoder layer (training, hidden dropout on),
+    measured with saved-tensor hooks on CPU, excluding parameters. Attention
+    dropout is off so CPU's scaled_dot_product_attention takes its flash
+    kernel (no s^2 matrix), matching the flash-attention formula."""
+    s, b, h, heads, ffn = 128, 2, 64, 4, 256
+    model, _ = build_model(1, dropout=0.1, attention_dropout=0.0, decoder_embed_dim=h,
+                           decoder_attention_heads=heads, decoder_ffn_embed_dim=ffn)
+    layer = model.decoder.layers[0].to(dtype).train()
+    x = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
+    mask = model.decoder.buffered_future_mask(x)
+    excluded = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {mask.untyped_storage().data_ptr()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, self_attn_mask=mask)
+    measured = sum(saved.values())
+    estimate = activation_bytes_per_layer(ModelShape(1, h, heads, ffn, 64, s), b, 1, sequence_parallel=False,
+                                          checkpointing=False, flash_attention=True, precision=precision)
+    assert estimate == pytest.approx(measured, rel=0.15)
+
+
+def test_layouts_and_recommendation():
+    shape = megatron_arch_shape("transformer_lm_megatron_11b")
+    layouts = plan(shape, 16, 8, 80, 2, 512)
+    for l in layouts:
+        assert l.tp * l.pp * l.dp == 16 and l.tp <= 8 and 72 % l.pp == 0
+        assert l.grad_accumulation * 2 * l.dp == 512
+    assert {(l.tp, l.pp) for l in layouts} >= {(8, 1), (1, 1), (2, 4)}
+    # sequence parallelism and checkpointing only ever lower activation memory
+    sp = {(l.tp, l.pp): l.activations_gb for l in plan(shape, 16, 8, 80, 2, 512, sequence_parallel=True)}
+    ckpt = {(l.tp, l.pp): l.activations_gb for l in plan(shape, 16, 8, 80, 2, 512, checkpointing=True)}
+    for l in layouts:
+        assert ckpt[(l.tp, l.pp)] < l.activations_gb
+        assert sp[(l.tp, l.pp)] <= l.activations_gb + 1e-12
+
+
+def test_cli_table_json_and_errors(capsys):
+    assert plan_parallelism.main(["--arch", "transformer_lm_megatron_11b", "--gpus", "8", "--global-batch", "64",
+                                  "--micro-batch", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recommended"]["tp"] * out["recommended"]["pp"] <= 8 and out["parameters"] > 1e10
+    assert plan_parallelism.main(["--layers", "2", "--hidden", "96", "--heads", "3", "--gpus", "4",
+                                  "--gpus-per-node", "4", "--global-batch", "8"]) == 0
+    assert "recommended: TP=1" in capsys.readouterr().out
+    # impossible requests: one error line, exit 1
+    assert plan_parallelism.main(["--arch", "transformer_lm_megatron_11b", "--gpus", "8", "--global-batch", "63",
+                                  "--micro-batch", "2"]) == 1
+    assert capsys.readouterr().err.strip() == "error: global batch 63 is not a multiple of the micro batch 2"
+    with pytest.raises(PlanError, match="tensor-parallel size 2 must divide heads 7"):
+        plan(ModelShape(2, 70, 7, 280, 100, 32), 4, 4, 80, 1, 4, tp=2)
+    assert plan_parallelism.main(["--layers", "2", "--hidden", "70", "--heads", "7", "--gpus", "4",
+                                  "--gpus-per-node", "4", "--global-batch", "4", "--tp", "4"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "error: tensor-parallel size 4 must divide heads 7, FFN 280 and the 4 GPUs of a node")
+    assert plan_parallelism.main(["--layers", "2", "--hidden", "70", "--heads", "4", "--gpus", "4",
+                                  "--global-batch", "4"]) == 1
+    assert capsys.readouterr().err.strip() == "error: hidden 70 is not divisible by heads 4"

@@ -37,26 +37,22 @@ def renormalized_ppl(ppl: float, new_token_count: int, orig_token_count: int) ->
     return 2 ** (math.log2(ppl) * new_token_count / orig_token_count)
 
 
-def count_orig_tokens(raw_path: str) -> int:
-    """Whitespace tokens plus one end-of-sentence per non-empty line."""
+def count_tokens_with_eos(path: str) -> int:
+    """Whitespace-separated tokens plus one end-of-sentence per non-empty line.
+
+    The rule for both counts: on a Wikitext file it gives the original count,
+    on a BPE file (which has no empty lines) the BPE count.
+    """
     total = 0
-    with open(raw_path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8") as f:
         for line in f:
-            words = line.split()
-            if words:
-                total += len(words) + 1
+            tokens = line.split()
+            if tokens:
+                total += len(tokens) + 1
     return total
 
 
-def count_bpe_tokens(bpe_path: str) -> int:
-    """BPE ids plus one end-of-sentence per (non-empty) line."""
-    total = 0
-    with open(bpe_path, encoding="utf-8") as f:
-        for line in f:
-            ids = line.split()
-            if ids:
-                total += len(ids) + 1
-    return total
+count_orig_tokens = count_bpe_tokens = count_tokens_with_eos
 
 
 _EVAL = re.compile(r"Evaluated ([0-9,]+) tokens.*?Loss \(base 2\): ([0-9.]+), Perplexity: ([0-9.]+)", re.S)

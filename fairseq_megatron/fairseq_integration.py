@@ -26,7 +26,8 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    once, by a whole group.
 6. :func:`_model_parallel_generate` -- ``fairseq-generate`` never starts
    torch.distributed; with ``--model-parallel-size N`` it now does, and only
-   model-parallel rank 0 prints the hypotheses.
+   model-parallel rank 0 prints the hypotheses of fairseq-generate and
+   fairseq-interactive.
 """
 
 import functools
@@ -176,8 +177,29 @@ def _shard_by_data_parallel_rank() -> None:
     wrap(FairseqTask, "get_batch_iterator")  # fairseq-generate
 
 
+def _patch_cli_main(module_name: str, wrap) -> None:
+    """Replace ``main`` of a fairseq_cli module by ``wrap(original_main, module)``,
+    also where that module runs as ``__main__`` (``python -m fairseq_cli.X``
+    executes the file as a second module object)."""
+    import importlib
+
+    modules = [importlib.import_module(module_name)]
+    main_module = sys.modules.get("__main__")
+    spec = getattr(main_module, "__spec__", None)
+    if spec is not None and spec.name == module_name and hasattr(main_module, "main"):
+        modules.append(main_module)
+    for module in modules:
+        module.main = functools.wraps(module.main)(wrap(module.main, module))
+
+
+def _not_model_parallel_rank_0() -> bool:
+    from fairseq_megatron import parallel_state
+
+    return parallel_state.model_parallel_is_initialized() and parallel_state.get_tensor_model_parallel_rank() != 0
+
+
 def _model_parallel_generate() -> None:
-    """fairseq-generate with ``--model-parallel-size N``.
+    """fairseq-generate and fairseq-interactive with ``--model-parallel-size N``.
 
     ``fairseq_cli/generate.py`` calls ``main(args)`` directly, never
     fairseq's distributed launcher, so no model-parallel group (and no
@@ -185,34 +207,36 @@ def _model_parallel_generate() -> None:
     through ``distributed_utils.call_main`` first, as fairseq-train and
     fairseq-eval-lm do. Every rank of a group then computes the same
     hypotheses; only model-parallel rank 0 prints them (or writes
-    ``--results-path``), the others write to /dev/null.
+    ``--results-path``), the others write to /dev/null. fairseq-interactive
+    already starts torch.distributed; it only gets the printing rule.
     """
+    import contextlib
+
     import torch.distributed as dist
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.distributed import utils as dist_utils
-    from fairseq_cli import generate
 
-    from fairseq_megatron import parallel_state
-
-    def patch(module):
-        original_main = module.main
-
-        @functools.wraps(original_main)
+    def wrap_generate(original_main, module):
         def main(cfg):
             if not hasattr(cfg, "common_eval"):  # an argparse Namespace
                 cfg = convert_namespace_to_omegaconf(cfg)
             if cfg.common.model_parallel_size > 1 and not dist.is_initialized():
-                return dist_utils.call_main(cfg, main)
-            if parallel_state.model_parallel_is_initialized() and parallel_state.get_tensor_model_parallel_rank() != 0:
+                return dist_utils.call_main(cfg, module.main)
+            if _not_model_parallel_rank_0():
                 with open(os.devnull, "w") as devnull:
                     return module._main(cfg, devnull)
             return original_main(cfg)
 
-        module.main = main
+        return main
 
-    patch(generate)
-    # `python -m fairseq_cli.generate` runs the file as __main__, a second module object
-    main_module = sys.modules.get("__main__")
-    spec = getattr(main_module, "__spec__", None)
-    if spec is not None and spec.name == "fairseq_cli.generate" and hasattr(main_module, "main"):
-        patch(main_module)
+    def wrap_interactive(original_main, module):
+        def main(cfg, **kwargs):
+            if _not_model_parallel_rank_0():
+                with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+                    return original_main(cfg, **kwargs)
+            return original_main(cfg, **kwargs)
+
+        return main
+
+    _patch_cli_main("fairseq_cli.generate", wrap_generate)
+    _patch_cli_main("fairseq_cli.interactive", wrap_interactive)

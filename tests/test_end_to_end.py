@@ -164,6 +164,17 @@ def test_fairseq_generate_at_size_2(trained):
         assert set(mp2) == set(mp1)  # every sample once, printed by model-parallel rank 0 only
 
 
+def test_fairseq_interactive_at_size_2(trained):
+    prompts = trained["root"] / "prompts.txt"
+    prompts.write_text("the function\nreturn a\n")
+    args = [trained["data"], "--user-dir", USER_DIR, "--cpu", "--task", "language_modeling",
+            "--path", os.path.join(trained["ckpt"], "checkpoint_last.pt"), "--model-parallel-size", "2",
+            "--input", str(prompts), "--beam", "1", "--max-len-b", "8"]
+    hyps = hypotheses(fairseq("interactive", args, nproc=2)[1])
+    assert sorted(hyps) == ["H-0", "H-1"]  # once per prompt, not once per rank
+    assert hyps["H-0"].startswith("the function") and hyps["H-1"].startswith("return a")
+
+
 HUB_SCRIPT = """
 import sys, torch
 from fairseq_megatron.hub import from_pretrained

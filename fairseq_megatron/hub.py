@@ -11,6 +11,7 @@ search, and sampling draws from the default generator, seeded identically on
 all ranks). Mirrors ``fairseq.hub_utils.from_pretrained``.
 """
 
+import atexit
 import os
 from typing import Optional
 
@@ -24,13 +25,23 @@ from fairseq_megatron.rng_tracker import model_parallel_manual_seed
 
 
 def init_distributed_from_env() -> None:
-    """Initialise torch.distributed from torchrun's environment, if it is set and not done yet."""
+    """Initialise torch.distributed from torchrun's environment, if it is set and not done yet.
+
+    The process group is destroyed at interpreter exit (a gloo group left
+    alive can abort the process while Python shuts down).
+    """
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     dist.init_process_group(backend=backend, init_method="env://")
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def from_pretrained(

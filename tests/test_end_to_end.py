@@ -182,24 +182,26 @@ lm = from_pretrained(sys.argv[1], data=sys.argv[2], cpu=True)
 rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 prompt = "return the"
-print(f"RANK{rank} size={size} greedy: " + lm.sample(prompt, beam=1, max_len_b=8))
-print(f"RANK{rank} size={size} beam: " + lm.sample(prompt, beam=3, max_len_b=8))
-print(f"RANK{rank} size={size} sampled: " + lm.sample(prompt, beam=1, sampling=True, sampling_topk=20, max_len_b=8))
+with open(f"{sys.argv[3]}/rank{rank}.txt", "w") as f:  # one file per rank: stdout lines would interleave
+    print(f"size={size} greedy: " + lm.sample(prompt, beam=1, max_len_b=8), file=f)
+    print(f"size={size} beam: " + lm.sample(prompt, beam=3, max_len_b=8), file=f)
+    print(f"size={size} sampled: " + lm.sample(prompt, beam=1, sampling=True, sampling_topk=20, max_len_b=8), file=f)
 """
 
 
 def test_hub_interface_at_size_2(trained):
     path = os.path.join(trained["ckpt"], "checkpoint_last.pt")
     script = str(trained["root"] / "hub_script.py")
+    out_dir = trained["root"] / "hub_out"
+    out_dir.mkdir()
     with open(script, "w") as f:
         f.write(HUB_SCRIPT)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           script, path, trained["data"]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, env=ENV, timeout=300)
+                           script, path, trained["data"], str(out_dir)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=ENV, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RANK")]
-    rank0 = sorted(l.split(" ", 1)[1] for l in lines if l.startswith("RANK0 "))
-    rank1 = sorted(l.split(" ", 1)[1] for l in lines if l.startswith("RANK1 "))
+    rank0 = (out_dir / "rank0.txt").read_text().splitlines()
+    rank1 = (out_dir / "rank1.txt").read_text().splitlines()
     assert len(rank0) == 3 and rank0 == rank1  # greedy, beam and sampled text identical on both ranks
     assert all(l.startswith("size=2 ") and l.split(": ", 1)[1].startswith("return the") for l in rank0)
 

@@ -1,4 +1,5 @@
-"""Activation checkpointing for model-parallel layers (``--checkpoint-activations``).
+"""Activation checkpointing (``--checkpoint-activations``) and regional compilation
+(``--compile-layers``) of model-parallel decoder layers.
 
 fairseq's model-parallel decoder never checkpointed its layers, and fairseq's
 own ``checkpoint_wrapper`` restores only the default CPU/CUDA generators on
@@ -44,8 +45,31 @@ def _checkpointed_forward(original_forward, *args, **kwargs):
 def checkpoint_wrapper(module: nn.Module) -> nn.Module:
     """Recompute ``module``'s forward during backward instead of storing its activations.
 
-    Replaces ``module.forward`` in place, so parameter names (state-dict keys)
-    do not change. Without autograd (eval, generation) it runs normally.
+    Replaces ``module.forward`` in place (wrapping whatever it is now, e.g. a
+    compiled forward), so parameter names (state-dict keys) do not change.
+    Without autograd (eval, generation) it runs normally.
     """
     module.forward = functools.partial(_checkpointed_forward, module.forward)
+    return module
+
+
+def compile_for_training(module: nn.Module) -> nn.Module:
+    """``torch.compile`` ``module.forward`` for training steps only.
+
+    Regional compilation: every decoder layer gets the same code, so dynamo
+    traces it once and the layers share the compiled graph (parameters are
+    graph inputs). Evaluation and incremental decoding (``module.training``
+    false, no autograd, or a key/value cache) run the eager forward: their
+    shapes change every step and they gain nothing from fusion. Call before
+    :func:`checkpoint_wrapper`, so recomputation replays the compiled forward.
+    State-dict keys do not change.
+    """
+    eager = module.forward
+    compiled = torch.compile(eager)
+
+    def forward(x, encoder_out=None, encoder_padding_mask=None, incremental_state=None, **kwargs):
+        run = compiled if module.training and incremental_state is None and torch.is_grad_enabled() else eager
+        return run(x, encoder_out, encoder_padding_mask, incremental_state, **kwargs)
+
+    module.forward = forward
     return module

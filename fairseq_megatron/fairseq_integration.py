@@ -28,6 +28,9 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    torch.distributed; with ``--model-parallel-size N`` it now does, and only
    model-parallel rank 0 prints the hypotheses of fairseq-generate and
    fairseq-interactive.
+7. :func:`_fused_adam_without_apex` -- ``--optimizer adam`` uses a fused
+   kernel (torch's fused AdamW) when apex is absent; see
+   :mod:`fairseq_megatron.fused_adam`.
 """
 
 import functools
@@ -52,6 +55,7 @@ def install() -> None:
     _trusted_checkpoint_loading()
     _shard_by_data_parallel_rank()
     _model_parallel_generate()
+    _fused_adam_without_apex()
     _INSTALLED = True
 
 
@@ -240,3 +244,11 @@ def _model_parallel_generate() -> None:
 
     _patch_cli_main("fairseq_cli.generate", wrap_generate)
     _patch_cli_main("fairseq_cli.interactive", wrap_interactive)
+
+
+def _fused_adam_without_apex() -> None:
+    import fairseq.optim.adam
+
+    from fairseq_megatron.fused_adam import fused_adam_class
+
+    fairseq.optim.adam.get_fused_adam_class = fused_adam_class(fairseq.optim.adam.get_fused_adam_class)

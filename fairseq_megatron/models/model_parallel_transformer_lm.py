@@ -17,7 +17,7 @@ from fairseq.models.transformer_lm import TransformerLanguageModel, base_lm_arch
 from fairseq.utils import safe_getattr
 
 from fairseq_megatron import parallel_state
-from fairseq_megatron.checkpoint_activations import checkpoint_wrapper
+from fairseq_megatron.checkpoint_activations import checkpoint_wrapper, compile_for_training
 from fairseq_megatron.modules import (
     ColumnParallelLinear,
     ModelParallelTransformerDecoderLayer,
@@ -87,6 +87,11 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
     @staticmethod
     def add_args(parser):
         TransformerLanguageModel.add_args(parser)
+        parser.add_argument(
+            "--compile-layers", action="store_true",
+            help="torch.compile each decoder layer for training steps (fuses layer norm, bias, "
+                 "GeLU, dropout and residual adds; the first steps pay the compilation)",
+        )
 
     @classmethod
     def build_model(cls, args, task):
@@ -142,12 +147,15 @@ class ModelParallelTransformerDecoder(TransformerDecoder):
 
     def __init__(self, args, dictionary, embed_tokens):
         self.tensor_model_parallel_group = parallel_state.get_tensor_model_parallel_group()
+        self.compile_layers = bool(safe_getattr(args, "compile_layers", False))
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=True)
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         if not isinstance(cfg, TransformerConfig):
             cfg = TransformerConfig.from_namespace(cfg)
         layer = ModelParallelTransformerDecoderLayer(cfg, group=self.tensor_model_parallel_group)
+        if self.compile_layers:
+            layer = compile_for_training(layer)
         if cfg.checkpoint_activations:
             layer = checkpoint_wrapper(layer)
         return layer

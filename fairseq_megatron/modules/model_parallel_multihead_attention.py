@@ -10,6 +10,7 @@ from torch import Tensor
 
 from fairseq_megatron import parallel_state
 from fairseq_megatron.modules.column_parallel_linear import ColumnParallelLinear
+from fairseq_megatron.modules.mappings import copy_to_tensor_model_parallel_region
 from fairseq_megatron.modules.row_parallel_linear import RowParallelLinear
 from fairseq_megatron.modules.sharding import divide
 from fairseq_megatron.rng_tracker import get_rng_tracker
@@ -68,6 +69,23 @@ class ModelParallelMultiheadAttention(nn.Module):
         self.q_proj = ColumnParallelLinear(embed_dim, embed_dim, bias=bias, group=self.group)
         self.out_proj = RowParallelLinear(embed_dim, embed_dim, bias=bias, group=self.group)
 
+    def _project_qkv(self, x: Tensor):
+        """Queries, keys and values of the local heads with one GEMM.
+
+        The three column-parallel weights are concatenated at run time,
+        ``(3 * C / N, C)``, so the state dict keeps fairseq's separate
+        ``q_proj``/``k_proj``/``v_proj`` keys while the GPU runs a single
+        larger matrix multiply (the copy is ``3 C^2 / N`` elements per call,
+        small next to the ``T * B * 3 C^2 / N`` multiply-adds it feeds).
+        Returns three ``(T, B, C / N)`` views.
+        """
+        x = copy_to_tensor_model_parallel_region(x, self.group)
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.cat([p.weight for p in projections])
+        bias = torch.cat([p.bias for p in projections]) if self.q_proj.bias is not None else None
+        qkv = F.linear(x, weight, bias)
+        return qkv.split(self.q_proj.out_features_per_partition, dim=-1)
+
     def _heads(self, x: Tensor) -> Tensor:
         t, b, _ = x.shape
         return x.view(t, b, self.num_heads_partition, self.head_dim).permute(1, 2, 0, 3)  # (B, H/N, T, D)
@@ -81,9 +99,7 @@ class ModelParallelMultiheadAttention(nn.Module):
         is_causal: bool = False,
     ) -> Tensor:
         tgt_len, bsz, _ = x.shape
-        q = self._heads(self.q_proj(x))
-        k = self._heads(self.k_proj(x))
-        v = self._heads(self.v_proj(x))
+        q, k, v = (self._heads(y) for y in self._project_qkv(x))
 
         if incremental_state is not None:
             cache = self.get_incremental_state(incremental_state, "attn_state") or {}

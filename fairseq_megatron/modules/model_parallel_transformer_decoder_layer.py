@@ -3,6 +3,7 @@
 from typing import Optional
 
 import torch.nn as nn
+import torch.nn.functional as F
 from fairseq import utils
 from fairseq.modules import LayerNorm
 from torch import Tensor
@@ -52,7 +53,11 @@ class ModelParallelTransformerDecoderLayer(nn.Module):
         self.dropout_p = cfg.dropout
         activation_dropout = cfg.activation_dropout or cfg.relu_dropout or 0.0
         self.activation_dropout_p = activation_dropout
-        self.activation_fn = utils.get_activation_fn(activation=str(cfg.activation_fn))
+        # fairseq's "gelu" upcasts to fp32 and back (two extra copies of the
+        # largest activation); F.gelu computes in fp32 internally on fp16/bf16
+        # inputs and rounds once, which gives the same values.
+        activation = str(cfg.activation_fn)
+        self.activation_fn = F.gelu if activation == "gelu" else utils.get_activation_fn(activation=activation)
 
         self.self_attn = ModelParallelMultiheadAttention(
             embed_dim, cfg.decoder.attention_heads, dropout=cfg.attention_dropout, group=group

@@ -1,0 +1,351 @@
+#!/usr/bin/env python
+"""Training throughput and memory inside unmodified ``fairseq-train``.
+
+    python scripts/benchmark.py --shape 1p3b [--model-parallel-size 1] [--with-fairseq]
+        [--precision fp16] [--checkpoint-activations] [--sequence-parallel]
+        [--csv bench.csv] [--png bench.png]
+
+For each configuration this runs ``fairseq_cli.train`` (under torchrun when
+the model-parallel size is above 1) on synthetic binarized data with a
+50k-symbol vocabulary (1000 for ``tiny``), micro-batch 8 x 1024 tokens by
+default, and prints:
+
+- tokens/s: the median of fairseq's own ``wps`` over the last three log
+  intervals (steady state; the first intervals hold warm-up and compilation),
+  the way ``../shared/gpu/fairseq_baseline.sh`` measures the baseline;
+- model TFLOP/s: tokens/s x (6 x params + 12 x layers x hidden x seq_len),
+  the usual model-FLOPs count (Narayanan et al. 2021, appendix; no
+  recomputation counted), with params computed from the shape;
+- share of ``--peak-tflops`` (798: the measured dense fp16/bf16 matmul rate
+  of the lent H100);
+- peak memory: the largest ``torch.cuda.max_memory_allocated`` of any rank
+  over all steps, GiB (peak resident set size of the largest rank on CPU).
+
+``--with-fairseq`` also runs fairseq's own non-parallel ``transformer_lm``
+(same shape, data, batch, optimizer and precision) in the same invocation,
+so ratios compare numbers taken on the same machine at the same time.
+``--csv`` appends one row per configuration; ``--png`` draws tokens/s and
+peak memory per configuration from every row of that CSV (matplotlib).
+
+``--shape tiny`` runs on a CPU in about a minute (CI runs it at
+model-parallel size 2 with gloo).
+"""
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# layers, hidden, ffn, heads; seq_len, micro-batch, vocabulary words
+SHAPES = {
+    "tiny": dict(layers=2, hidden=64, ffn=256, heads=4, seq_len=64, batch=4, vocab=1000),
+    "350m": dict(layers=24, hidden=1024, ffn=4096, heads=16, seq_len=1024, batch=8, vocab=50000),
+    "1p3b": dict(layers=24, hidden=2048, ffn=8192, heads=16, seq_len=1024, batch=8, vocab=50000),
+    "11b_8layers": dict(layers=8, hidden=3072, ffn=18432, heads=32, seq_len=1024, batch=8, vocab=50000),
+    "11b": dict(layers=72, hidden=3072, ffn=18432, heads=32, seq_len=1024, batch=8, vocab=50000),
+}
+CSV_FIELDS = [
+    "date", "device", "label", "impl", "shape", "model_parallel_size", "precision", "params",
+    "tokens_per_s", "model_tflops", "share_of_peak", "peak_mem_gib", "world_size", "command",
+]
+
+
+def padded_vocab(words: int, multiple: int) -> int:
+    n = words + 4  # fairseq's <s> <pad> </s> <unk>
+    return (n + multiple - 1) // multiple * multiple
+
+
+def count_params(shape: dict, vocab_size: int) -> int:
+    """Parameters of a pre-norm decoder with tied input/output embedding and
+    sinusoidal positions (what fairseq logs as "num. shared model params" at
+    model-parallel size 1)."""
+    d, f = shape["hidden"], shape["ffn"]
+    per_layer = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d  # attention, FFN, two layer norms
+    return vocab_size * d + shape["layers"] * per_layer + 2 * d  # + final layer norm
+
+
+def model_flops_per_token(shape: dict, params: int) -> float:
+    return 6 * params + 12 * shape["layers"] * shape["hidden"] * shape["seq_len"]
+
+
+# ----------------------------------------------------------------- data
+
+
+def make_data(data_dir: str, vocab_words: int, num_tokens: int, seed: int = 0) -> None:
+    """Binarized ``train`` split: Zipf-distributed ids in lines of 200 tokens + eos.
+    Skipped when it already exists (written under a temporary name first)."""
+    if os.path.exists(os.path.join(data_dir, "dict.txt")):
+        return
+    import numpy as np
+    import torch
+    from fairseq.data import indexed_dataset
+
+    tmp = data_dir + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    with open(os.path.join(tmp, "dict.txt"), "w") as f:
+        for i in range(vocab_words):
+            f.write(f"w{i} {vocab_words - i}\n")
+        for i in range(padded_vocab(vocab_words, 8) - 4 - vocab_words):  # as fairseq-preprocess pads
+            f.write(f"madeupword{i:04d} 0\n")
+    rng = np.random.default_rng(seed)
+    nspecial, eos = 4, 2
+    builder = indexed_dataset.make_builder(os.path.join(tmp, "train.bin"), impl="mmap", vocab_size=vocab_words + nspecial)
+    for _ in range(num_tokens // 200 + 1):
+        ids = np.minimum(rng.zipf(1.1, size=200) - 1, vocab_words - 1)
+        ids = np.where(rng.random(200) < 0.3, rng.integers(0, vocab_words, 200), ids) + nspecial
+        builder.add_item(torch.from_numpy(np.append(ids, eos).astype(np.int64)))
+    builder.finalize(os.path.join(tmp, "train.idx"))
+    os.replace(tmp, data_dir)
+
+
+# ----------------------------------------------------------------- one run
+
+
+def train_command(args, impl: str, shape: dict, data_dir: str, result_file: str, use_cuda: bool):
+    model_parallel_size = args.model_parallel_size if impl == "megatron" else 1
+    dims = ["--decoder-layers", shape["layers"], "--decoder-embed-dim", shape["hidden"],
+            "--decoder-ffn-embed-dim", shape["ffn"], "--decoder-attention-heads", shape["heads"]]
+    if impl == "megatron":
+        model = ["--user-dir", os.path.join(REPO, "fairseq_megatron"), "--arch", "transformer_lm_megatron",
+                 *dims, "--criterion", "vocab_parallel_cross_entropy",
+                 "--model-parallel-size", model_parallel_size]
+        if args.sequence_parallel:
+            model.append("--sequence-parallel")
+        if args.compile_layers:
+            model.append("--compile-layers")
+    else:  # fairseq's own transformer_lm, as ../shared/gpu/fairseq_baseline.sh runs it
+        model = ["--arch", "transformer_lm_gpt2_small", *dims, "--dropout", "0.1"]
+    if args.checkpoint_activations:
+        model.append("--checkpoint-activations")
+    precision = {"fp16": ["--fp16"], "amp": ["--amp"], "memory-efficient-fp16": ["--memory-efficient-fp16"],
+                 "fp32": []}[args.precision]
+    train = [
+        data_dir, "--task", "language_modeling", "--sample-break-mode", "none",
+        "--tokens-per-sample", shape["seq_len"], *model, "--share-decoder-input-output-embed",
+        "--optimizer", args.optimizer, "--adam-betas", "(0.9, 0.98)", "--lr", "1e-4",
+        "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "10", *precision,
+        "--batch-size", args.batch_size or shape["batch"], "--max-update", args.updates,
+        "--log-interval", args.log_interval, "--log-format", "json", "--no-save",
+        "--disable-validation", "--num-workers", "2" if use_cuda else "0", "--seed", "1",
+        *([] if use_cuda else ["--cpu"]), *shlex.split(args.extra),
+    ]
+    launcher = [sys.executable]
+    if model_parallel_size > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(model_parallel_size)]
+    return launcher + [os.path.abspath(__file__), "--fairseq-train-child", result_file, "--"] + [str(a) for a in train]
+
+
+def run_child(result_file: str, train_argv) -> None:
+    """Inside the launched process: fairseq-train, then record this rank's peak memory.
+
+    fairseq's trainer resets CUDA's peak-memory counter after every step (to
+    log ``gb_free``), so the peak is read just before each reset.
+    """
+    import torch
+
+    peak = [0]
+    if torch.cuda.is_available():
+        reset = torch.cuda.reset_peak_memory_stats
+
+        def read_then_reset(*a, **k):
+            peak[0] = max(peak[0], torch.cuda.max_memory_allocated())
+            reset(*a, **k)
+
+        torch.cuda.reset_peak_memory_stats = read_then_reset
+
+    from fairseq_cli import train
+
+    sys.argv = ["fairseq-train"] + list(train_argv)
+    train.cli_main()
+    if torch.cuda.is_available():
+        peak[0] = max(peak[0], torch.cuda.max_memory_allocated())
+        kind = "cuda_max_memory_allocated"
+    else:
+        peak[0] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        kind = "peak_rss"
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    with open(f"{result_file}.rank{rank}", "w") as f:
+        json.dump({"rank": rank, "world_size": world, "peak_bytes": peak[0], "kind": kind}, f)
+
+
+def parse_log(output: str):
+    """fairseq's json ``train_inner`` records -> (wps values in order, logged param count or None)."""
+    wps, params = [], None
+    for line in output.splitlines():
+        if "num. shared model params:" in line and params is None:
+            params = int(line.split("num. shared model params:")[1].split()[0].replace(",", ""))
+        start = line.find("{")
+        if start < 0 or '"wps"' not in line:
+            continue
+        try:
+            record = json.loads(line[start:])
+        except ValueError:
+            continue
+        if "train_inner" in line or "update" in record:
+            wps.append(float(record["wps"]))
+    return wps, params
+
+
+def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
+    shape = dict(SHAPES[args.shape])
+    if args.seq_len:
+        shape["seq_len"] = args.seq_len
+    batch = args.batch_size or shape["batch"]
+    data_dir = os.path.join(work_dir, f"data-v{shape['vocab']}")
+    make_data(data_dir, shape["vocab"], num_tokens=max(4_000_000 if use_cuda else 0,
+                                                         2 * args.updates * batch * shape["seq_len"]))
+    result_file = os.path.join(work_dir, f"result-{impl}-{os.getpid()}")
+    cmd = train_command(args, impl, shape, data_dir, result_file, use_cuda)
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    if not use_cuda:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    log_path = os.path.join(work_dir, f"{impl}-{args.shape}-mp{args.model_parallel_size}.log")
+    with open(log_path, "w") as f:
+        f.write(proc.stdout)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.strip().splitlines()[-5:])
+        raise SystemExit(f"error: fairseq-train ({impl}) failed, exit {proc.returncode}; log {log_path}:\n{tail}")
+    wps, logged_params = parse_log(proc.stdout)
+    if len(wps) < 3:
+        raise SystemExit(f"error: fewer than 3 log intervals in {log_path}: raise --updates or lower --log-interval")
+    ranks = []
+    for name in sorted(os.listdir(work_dir)):
+        if name.startswith(os.path.basename(result_file) + ".rank"):
+            with open(os.path.join(work_dir, name)) as f:
+                ranks.append(json.load(f))
+            os.remove(os.path.join(work_dir, name))
+    model_parallel_size = args.model_parallel_size if impl == "megatron" else 1
+    multiple = 8 * model_parallel_size if impl == "megatron" else 8
+    params = count_params(shape, padded_vocab(shape["vocab"], multiple))
+    if model_parallel_size == 1 and logged_params is not None and logged_params != params:
+        raise SystemExit(f"error: shape formula gives {params} parameters, fairseq logged {logged_params}")
+    tokens_per_s = statistics.median(wps[-3:])
+    tflops = tokens_per_s * model_flops_per_token(shape, params) / 1e12
+    label = f"{'ours' if impl == 'megatron' else 'fairseq'} {args.shape} mp{model_parallel_size} {args.precision}"
+    if impl == "megatron" and args.sequence_parallel:
+        label += " sp"
+    if impl == "megatron" and args.compile_layers:
+        label += " compiled"
+    if args.checkpoint_activations:
+        label += " ckpt"
+    if args.label:
+        label += f" {args.label}"
+    return {
+        "date": datetime.date.today().isoformat(), "device": device, "label": label, "impl": impl,
+        "shape": args.shape, "model_parallel_size": model_parallel_size, "precision": args.precision,
+        "params": params, "tokens_per_s": round(tokens_per_s, 1), "model_tflops": round(tflops, 6),
+        "share_of_peak": round(tflops / args.peak_tflops, 6),
+        "peak_mem_gib": round(max(r["peak_bytes"] for r in ranks) / 2**30, 3) if ranks else "",
+        "world_size": max((r["world_size"] for r in ranks), default=""),
+        "command": " ".join(shlex.quote(str(c)) for c in cmd[cmd.index("--") + 1:]),
+    }
+
+
+# ----------------------------------------------------------------- output
+
+
+def append_csv(path: str, rows) -> None:
+    new = not os.path.exists(path)
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+def draw_png(csv_path: str, png_path: str) -> None:
+    """Tokens/s and peak memory per configuration, from every row of the CSV."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    labels = [r["label"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.5), sharey=True)
+    left.barh(labels, [float(r["tokens_per_s"]) for r in rows], color="tab:blue")
+    left.set_xlabel("tokens/s (fairseq-train wps)")
+    right.barh(labels, [float(r["peak_mem_gib"] or 0) for r in rows], color="tab:orange")
+    right.set_xlabel("peak memory per rank, GiB")
+    left.invert_yaxis()
+    fig.suptitle(f"fairseq_megatron benchmark ({rows[-1]['device']})")
+    fig.tight_layout()
+    tmp = png_path + ".tmp.png"
+    fig.savefig(tmp, dpi=100)
+    os.replace(tmp, png_path)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--fairseq-train-child":
+        return run_child(argv[1], argv[3:])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    p.add_argument("--model-parallel-size", type=int, default=1)
+    p.add_argument("--with-fairseq", action="store_true", help="also time fairseq's own transformer_lm")
+    p.add_argument("--only-fairseq", action="store_true", help="time only fairseq's transformer_lm")
+    p.add_argument("--precision", choices=["fp16", "amp", "memory-efficient-fp16", "fp32"],
+                   help="default: fp16 on GPU, fp32 on CPU")
+    p.add_argument("--optimizer", default="adam")
+    p.add_argument("--checkpoint-activations", action="store_true")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--compile-layers", action="store_true", help="torch.compile our decoder layers")
+    p.add_argument("--batch-size", type=int, help="micro-batch in sequences (default: the shape's)")
+    p.add_argument("--seq-len", type=int, help="tokens per sample (default: the shape's)")
+    p.add_argument("--updates", type=int, default=60)
+    p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--peak-tflops", type=float, default=798.0, help="peak to report a share of (TFLOP/s)")
+    p.add_argument("--extra", default="", help="more fairseq-train arguments, one string: --extra='--use-old-adam'")
+    p.add_argument("--label", default="", help="appended to the configuration's label")
+    p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "fairseq_megatron_bench"))
+    p.add_argument("--csv", help="append results to this CSV")
+    p.add_argument("--png", help="chart of every row of --csv (needs --csv and matplotlib)")
+    args = p.parse_args(argv)
+    if args.png and not args.csv:
+        p.error("--png draws the rows of --csv; pass --csv too")
+
+    import torch
+
+    use_cuda = torch.cuda.is_available()
+    args.precision = args.precision or ("fp16" if use_cuda else "fp32")
+    if not use_cuda and args.precision != "fp32":
+        p.error(f"--precision {args.precision} needs a GPU")
+    if args.model_parallel_size < 1:
+        p.error("--model-parallel-size must be at least 1")
+    if use_cuda and args.model_parallel_size > torch.cuda.device_count():
+        p.error(f"--model-parallel-size {args.model_parallel_size} needs that many GPUs; "
+                f"this machine has {torch.cuda.device_count()}")
+    device = torch.cuda.get_device_name() if use_cuda else "CPU"
+    os.makedirs(args.work_dir, exist_ok=True)
+    impls = ["fairseq"] if args.only_fairseq else (["megatron", "fairseq"] if args.with_fairseq else ["megatron"])
+    rows = []
+    for impl in impls:
+        row = run_one(args, impl, args.work_dir, use_cuda, device)
+        rows.append(row)
+        print(f"{row['label']}: {row['params'] / 1e6:.1f}M params, {row['tokens_per_s']:.0f} tokens/s, "
+              f"{row['model_tflops']:.1f} model TFLOP/s = {100 * row['share_of_peak']:.1f}% of "
+              f"{args.peak_tflops:g}, peak memory {row['peak_mem_gib']} GiB "
+              f"(world size {row['world_size']})", flush=True)
+    if len(rows) == 2:
+        print(f"ours / fairseq: {rows[0]['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}x tokens/s")
+    if args.csv:
+        append_csv(args.csv, rows)
+    if args.png:
+        draw_png(args.csv, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

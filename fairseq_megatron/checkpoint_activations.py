@@ -53,7 +53,7 @@ def checkpoint_wrapper(module: nn.Module) -> nn.Module:
     return module
 
 
-def compile_for_training(module: nn.Module) -> nn.Module:
+def compile_for_training(module: nn.Module, backend: str = "inductor") -> nn.Module:
     """``torch.compile`` ``module.forward`` for training steps only.
 
     Regional compilation: every decoder layer gets the same code, so dynamo
@@ -62,10 +62,10 @@ def compile_for_training(module: nn.Module) -> nn.Module:
     false, no autograd, or a key/value cache) run the eager forward: their
     shapes change every step and they gain nothing from fusion. Call before
     :func:`checkpoint_wrapper`, so recomputation replays the compiled forward.
-    State-dict keys do not change.
+    State-dict keys do not change. ``backend``: ``torch.compile``'s.
     """
     eager = module.forward
-    compiled = torch.compile(eager)
+    compiled = torch.compile(eager, backend=backend)
 
     def forward(x, encoder_out=None, encoder_padding_mask=None, incremental_state=None, **kwargs):
         run = compiled if module.training and incremental_state is None and torch.is_grad_enabled() else eager

@@ -12,7 +12,9 @@ default, and prints:
 
 - tokens/s: the median of fairseq's own ``wps`` over the last three log
   intervals (steady state; the first intervals hold warm-up and compilation),
-  the way ``../shared/gpu/fairseq_baseline.sh`` measures the baseline;
+  the way ``../shared/gpu/fairseq_baseline.sh`` measures the baseline
+  (``FAIRSEQ_MEGATRON_PROFILE=table.txt`` also writes a torch.profiler
+  kernel table of five steps);
 - model TFLOP/s: tokens/s x (6 x params + 12 x layers x hidden x seq_len),
   the usual model-FLOPs count (Narayanan et al. 2021, appendix; no
   recomputation counted), with params computed from the shape;
@@ -164,6 +166,9 @@ def run_child(result_file: str, train_argv) -> None:
 
     from fairseq_cli import train
 
+    profile_to = os.environ.get("FAIRSEQ_MEGATRON_PROFILE")
+    if profile_to:
+        _profile_steps(profile_to)
     sys.argv = ["fairseq-train"] + list(train_argv)
     train.cli_main()
     if torch.cuda.is_available():
@@ -176,6 +181,32 @@ def run_child(result_file: str, train_argv) -> None:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     with open(f"{result_file}.rank{rank}", "w") as f:
         json.dump({"rank": rank, "world_size": world, "peak_bytes": peak[0], "kind": kind}, f)
+
+
+def _profile_steps(path: str, first: int = 30, count: int = 5) -> None:
+    """Profile ``count`` training steps after ``first`` with torch.profiler and
+    write the kernel table (sorted by device time) to ``path`` (rank 0)."""
+    import torch
+    from fairseq.trainer import Trainer
+
+    original, seen, prof = Trainer.train_step, [0], []
+
+    def train_step(self, *a, **k):
+        seen[0] += 1
+        if seen[0] == first:
+            prof.append(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                           torch.profiler.ProfilerActivity.CUDA]))
+            prof[0].__enter__()
+        out = original(self, *a, **k)
+        if seen[0] == first + count - 1 and prof:
+            torch.cuda.synchronize()
+            prof[0].__exit__(None, None, None)
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                with open(path, "w") as f:
+                    f.write(prof[0].key_averages().table(sort_by="self_device_time_total", row_limit=40))
+        return out
+
+    Trainer.train_step = train_step
 
 
 def parse_log(output: str):

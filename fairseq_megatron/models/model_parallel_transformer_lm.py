@@ -23,7 +23,9 @@ from fairseq_megatron.modules import (
     ModelParallelTransformerDecoderLayer,
     VocabParallelEmbedding,
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
 )
 from fairseq_megatron.registry import take_over_model, take_over_model_architecture
 
@@ -92,6 +94,13 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
             help="torch.compile each decoder layer for training steps (fuses layer norm, bias, "
                  "GeLU, dropout and residual adds; the first steps pay the compilation)",
         )
+        parser.add_argument(
+            "--sequence-parallel", action="store_true",
+            help="in training, keep layer norms, dropout and residuals on T / N sequence shards "
+                 "(all-gather + reduce-scatter instead of all-reduce; Megatron-LM v3). Needs "
+                 "--tokens-per-sample divisible by --model-parallel-size; batches whose length "
+                 "is not run the plain tensor-parallel path",
+        )
 
     @classmethod
     def build_model(cls, args, task):
@@ -148,6 +157,7 @@ class ModelParallelTransformerDecoder(TransformerDecoder):
     def __init__(self, args, dictionary, embed_tokens):
         self.tensor_model_parallel_group = parallel_state.get_tensor_model_parallel_group()
         self.compile_layers = bool(safe_getattr(args, "compile_layers", False))
+        self.sequence_parallel = bool(safe_getattr(args, "sequence_parallel", False))
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=True)
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
@@ -175,6 +185,82 @@ class ModelParallelTransformerDecoder(TransformerDecoder):
                 init_method=lambda w: nn.init.normal_(w, mean=0.0, std=dim ** -0.5),
                 group=self.tensor_model_parallel_group,
             )
+
+    def _use_sequence_parallel(self, x, incremental_state) -> bool:
+        """Sequence parallelism runs in training passes whose length T divides
+        by the group size; otherwise the same layers take the plain
+        tensor-parallel path (identical results, all-reduce communication)."""
+        n = parallel_state.world_size(self.tensor_model_parallel_group)
+        return (self.sequence_parallel and n > 1 and self.training and incremental_state is None
+                and x.size(0) % n == 0)
+
+    def extract_features_scriptable(
+        self,
+        prev_output_tokens,
+        encoder_out=None,
+        incremental_state=None,
+        full_context_alignment: bool = False,
+        alignment_layer: Optional[int] = None,
+        alignment_heads: Optional[int] = None,
+    ):
+        """fairseq's ``TransformerDecoderBase.extract_features_scriptable`` for a
+        decoder-only LM, plus sequence parallelism around the layer stack:
+        the embedded input ``(T, B, C)`` is split to ``(T / N, B, C)`` before the
+        first layer and gathered after the last, so the final layer norm and
+        the output projection see the whole sequence.
+
+        Returns features ``(B, T, C)`` and ``{"attn": [None], "inner_states"}``
+        (the inner states are sequence shards when sequence parallelism ran).
+        """
+        if encoder_out is not None:
+            raise NotImplementedError("ModelParallelTransformerDecoder is decoder-only")
+        positions = None
+        if self.embed_positions is not None:
+            positions = self.embed_positions(prev_output_tokens, incremental_state=incremental_state)
+        if incremental_state is not None:
+            prev_output_tokens = prev_output_tokens[:, -1:]
+            if positions is not None:
+                positions = positions[:, -1:]
+        prev_output_tokens = prev_output_tokens.contiguous()
+        x = self.embed_scale * self.embed_tokens(prev_output_tokens)
+        if self.project_in_dim is not None:
+            x = self.project_in_dim(x)
+        if positions is not None:
+            x += positions
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
+        x = self.dropout_module(x)
+        x = x.transpose(0, 1)  # (T, B, C)
+
+        self_attn_padding_mask = None
+        if prev_output_tokens.eq(self.padding_idx).any():
+            self_attn_padding_mask = prev_output_tokens.eq(self.padding_idx)
+        self_attn_mask = None
+        if incremental_state is None and not full_context_alignment:
+            self_attn_mask = self.buffered_future_mask(x)  # (T, T), from the full length
+
+        group = self.tensor_model_parallel_group
+        sequence_parallel = self._use_sequence_parallel(x, incremental_state)
+        if sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, group)
+        inner_states = [x]
+        for layer in self.layers:
+            x, _, _ = layer(
+                x, None, None, incremental_state,
+                self_attn_mask=self_attn_mask,
+                self_attn_padding_mask=self_attn_padding_mask,
+                sequence_parallel=sequence_parallel,
+            )
+            inner_states.append(x)
+        if sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, group, to_tensor_parallel_region=False)
+
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+        x = x.transpose(0, 1)  # (B, T, C)
+        if self.project_out_dim is not None:
+            x = self.project_out_dim(x)
+        return x, {"attn": [None], "inner_states": inner_states}
 
     def forward(
         self,

@@ -3,8 +3,11 @@
 from fairseq_megatron.modules.column_parallel_linear import ColumnParallelLinear
 from fairseq_megatron.modules.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 from fairseq_megatron.modules.model_parallel_multihead_attention import ModelParallelMultiheadAttention
@@ -22,8 +25,11 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "copy_to_tensor_model_parallel_region",
+    "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "vocab_parallel_cross_entropy",
 ]

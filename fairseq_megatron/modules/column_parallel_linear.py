@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from fairseq_megatron import parallel_state
 from fairseq_megatron.modules.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
 )
 from fairseq_megatron.modules.sharding import divide, init_shard_
@@ -59,8 +60,13 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tensor_model_parallel_region(x, self.group)
+    def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
+        """``x`` ``(*, in)`` replicated, or with ``sequence_parallel`` this rank's
+        ``(T / N, *, in)`` sequence shard, all-gathered here to ``(T, *, in)``."""
+        if sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.group)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.group)
         y = F.linear(x, self.weight, self.bias)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.group)

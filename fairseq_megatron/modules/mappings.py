@@ -13,6 +13,21 @@ scatter_to_tensor_model_parallel_region    keep own last-dim    all-gather last 
 gather_from_tensor_model_parallel_region   all-gather last dim  keep own chunk
 =========================================  ===================  ===================
 
+Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", section 4.2.2; Megatron-LM
+``tensor_parallel/mappings.py``) keeps the residual stream split along the
+sequence (first, ``T``) dimension between the tensor-parallel blocks, and
+replaces each all-reduce by a reduce-scatter plus an all-gather:
+
+=========================================  ===================  ===================
+function                                   forward              backward
+=========================================  ===================  ===================
+scatter_to_sequence_parallel_region        keep own T chunk     all-gather T
+gather_from_sequence_parallel_region       all-gather T         reduce-scatter T
+                                                                (or keep own chunk)
+reduce_scatter_to_sequence_parallel_region reduce-scatter T     all-gather T
+=========================================  ===================  ===================
+
 Every function takes the process group explicitly (``None`` = single process)
 and is the identity when the group has one rank. Inputs are never modified in
 place; collectives run on fresh tensors allocated on the input's device, so
@@ -51,6 +66,79 @@ def _gather_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(n)]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)
+
+
+def _native_tensor_collectives(group: ProcessGroup) -> bool:
+    # NCCL has single-tensor all-gather / reduce-scatter; with gloo we use
+    # the list form and all-reduce + narrow (same result, more traffic).
+    return dist.get_backend(group) == "nccl"
+
+
+def _split_first_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    n = parallel_state.world_size(group)
+    if x.size(0) % n != 0:
+        raise ValueError(f"sequence length {x.size(0)} is not divisible by the group size {n}")
+    return x.chunk(n, dim=0)[parallel_state.rank(group)].contiguous()
+
+
+def _gather_first_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    n = parallel_state.world_size(group)
+    x = x.contiguous()
+    if _native_tensor_collectives(group):
+        out = x.new_empty((n * x.size(0),) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=0)
+
+
+def _reduce_scatter_first_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    n = parallel_state.world_size(group)
+    if x.size(0) % n != 0:
+        raise ValueError(f"sequence length {x.size(0)} is not divisible by the group size {n}")
+    x = x.contiguous()
+    if _native_tensor_collectives(group):
+        out = x.new_empty((x.size(0) // n,) + tuple(x.shape[1:]))
+        dist.reduce_scatter_tensor(out, x, group=group)
+        return out
+    return _split_first_dim(_all_reduce(x, group), group)
+
+
+class _ScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_first_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first_dim(grad, ctx.group), None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, to_tensor_parallel_region):
+        ctx.group = group
+        ctx.to_tensor_parallel_region = to_tensor_parallel_region
+        return _gather_first_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.to_tensor_parallel_region:
+            return _reduce_scatter_first_dim(grad, ctx.group), None, None
+        return _split_first_dim(grad, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_first_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first_dim(grad, ctx.group), None
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -140,3 +228,49 @@ def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: ProcessGrou
     if parallel_state.world_size(group) == 1:
         return x
     return _GatherFromRegion.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Enter the sequence-parallel residual stream: ``(T, *) -> (T / N, *)``.
+
+    The input is replicated; rank r keeps positions ``[r*T/N, (r+1)*T/N)``.
+    Backward all-gathers the gradient (every rank then holds the full,
+    identical gradient of the replicated input).
+
+    Raises:
+        ValueError: T is not divisible by the group size N.
+    """
+    if parallel_state.world_size(group) == 1:
+        return x
+    return _ScatterToSequenceRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group: ProcessGroup, to_tensor_parallel_region: bool = True
+) -> torch.Tensor:
+    """All-gather sequence shards: ``(T / N, *) -> (T, *)`` in rank order.
+
+    ``to_tensor_parallel_region=True``: the result feeds column-parallel
+    layers, whose input gradients are partial sums over the group, so the
+    backward reduce-scatters (sums, then keeps this rank's positions); this
+    replaces the all-reduce of :func:`copy_to_tensor_model_parallel_region`.
+    ``False``: the result feeds replicated computation (the final layer norm),
+    whose gradient is already complete on every rank; backward keeps this
+    rank's chunk.
+    """
+    if parallel_state.world_size(group) == 1:
+        return x
+    return _GatherFromSequenceRegion.apply(x, group, to_tensor_parallel_region)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sum partial results over the group and keep this rank's positions:
+    ``(T, *)`` partial -> ``(T / N, *)`` complete; replaces the all-reduce of
+    :func:`reduce_from_tensor_model_parallel_region`. Backward all-gathers.
+
+    Raises:
+        ValueError: T is not divisible by the group size N.
+    """
+    if parallel_state.world_size(group) == 1:
+        return x
+    return _ReduceScatterToSequenceRegion.apply(x, group)

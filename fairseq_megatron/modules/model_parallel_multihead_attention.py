@@ -10,7 +10,10 @@ from torch import Tensor
 
 from fairseq_megatron import parallel_state
 from fairseq_megatron.modules.column_parallel_linear import ColumnParallelLinear
-from fairseq_megatron.modules.mappings import copy_to_tensor_model_parallel_region
+from fairseq_megatron.modules.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 from fairseq_megatron.modules.row_parallel_linear import RowParallelLinear
 from fairseq_megatron.modules.sharding import divide
 from fairseq_megatron.rng_tracker import get_rng_tracker
@@ -34,7 +37,11 @@ class ModelParallelMultiheadAttention(nn.Module):
     efficient kernels on GPU); attention dropout draws from the model-parallel
     RNG stream because its input is sharded by head.
 
-    Shapes: ``x`` ``(T, B, C)``; output ``(T, B, C)``, replicated.
+    Shapes: ``x`` ``(T, B, C)``; output ``(T, B, C)``, replicated. With
+    ``sequence_parallel=True`` (training only) input and output are this
+    rank's ``(T / N, B, C)`` sequence shard: the input is all-gathered before
+    the q/k/v projection and the output reduce-scattered
+    (Korthikanti et al. 2022, section 4.2.2).
     ``is_causal=True`` promises that ``attn_mask`` is the usual future mask.
     ``attn_mask`` ``(T, T_k)`` additive float (``-inf`` = blocked) or bool
     (True = blocked), ``key_padding_mask`` ``(B, T_k)`` bool (True = pad).
@@ -69,7 +76,7 @@ class ModelParallelMultiheadAttention(nn.Module):
         self.q_proj = ColumnParallelLinear(embed_dim, embed_dim, bias=bias, group=self.group)
         self.out_proj = RowParallelLinear(embed_dim, embed_dim, bias=bias, group=self.group)
 
-    def _project_qkv(self, x: Tensor):
+    def _project_qkv(self, x: Tensor, sequence_parallel: bool = False):
         """Queries, keys and values of the local heads with one GEMM.
 
         The three column-parallel weights are concatenated at run time,
@@ -77,9 +84,13 @@ class ModelParallelMultiheadAttention(nn.Module):
         ``q_proj``/``k_proj``/``v_proj`` keys while the GPU runs a single
         larger matrix multiply (the copy is ``3 C^2 / N`` elements per call,
         small next to the ``T * B * 3 C^2 / N`` multiply-adds it feeds).
-        Returns three ``(T, B, C / N)`` views.
+        Returns three ``(T, B, C / N)`` views. With ``sequence_parallel``, ``x``
+        is this rank's ``(T / N, B, C)`` sequence shard and is all-gathered.
         """
-        x = copy_to_tensor_model_parallel_region(x, self.group)
+        if sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.group)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.group)
         projections = (self.q_proj, self.k_proj, self.v_proj)
         weight = torch.cat([p.weight for p in projections])
         bias = torch.cat([p.bias for p in projections]) if self.q_proj.bias is not None else None
@@ -97,9 +108,10 @@ class ModelParallelMultiheadAttention(nn.Module):
         key_padding_mask: Optional[Tensor] = None,
         incremental_state: IncrementalState = None,
         is_causal: bool = False,
+        sequence_parallel: bool = False,
     ) -> Tensor:
-        tgt_len, bsz, _ = x.shape
-        q, k, v = (self._heads(y) for y in self._project_qkv(x))
+        q, k, v = (self._heads(y) for y in self._project_qkv(x, sequence_parallel))
+        bsz, tgt_len = q.size(0), q.size(2)
 
         if incremental_state is not None:
             cache = self.get_incremental_state(incremental_state, "attn_state") or {}
@@ -130,7 +142,7 @@ class ModelParallelMultiheadAttention(nn.Module):
             )
 
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.num_heads_partition * self.head_dim)
-        return self.out_proj(out)  # (T, B, C)
+        return self.out_proj(out, sequence_parallel=sequence_parallel)  # (T, B, C) or (T / N, B, C)
 
     def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: Tensor):
         """Select batch rows of the key/value cache (beam search)."""

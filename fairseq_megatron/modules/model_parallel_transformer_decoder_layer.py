@@ -10,6 +10,7 @@ from torch import Tensor
 
 from fairseq_megatron import parallel_state
 from fairseq_megatron.modules.column_parallel_linear import ColumnParallelLinear
+from fairseq_megatron.modules.mappings import copy_to_tensor_model_parallel_region
 from fairseq_megatron.modules.model_parallel_multihead_attention import (
     IncrementalState,
     ModelParallelMultiheadAttention,
@@ -37,7 +38,13 @@ class ModelParallelTransformerDecoderLayer(nn.Module):
     ``TransformerDecoderLayerBase`` (``models/transformer/transformer_layer.py``),
     so fairseq's ``TransformerDecoderBase`` drives it unchanged.
 
-    Shapes: ``x`` ``(T, B, C)`` -> ``(T, B, C)``.
+    Shapes: ``x`` ``(T, B, C)`` -> ``(T, B, C)``. With ``sequence_parallel=True``
+    (Korthikanti et al. 2022, section 4.2.2) ``x`` and the output are this
+    rank's ``(T / N, B, C)`` sequence shard: layer norms, dropout and residual
+    adds run on T / N positions, and each block's all-reduce becomes an
+    all-gather before fc1 / q,k,v and a reduce-scatter after fc2 / out_proj.
+    Residual dropout then draws from the model-parallel RNG stream, since
+    ranks hold different positions.
 
     Raises:
         ValueError: heads or ``decoder_ffn_embed_dim`` not divisible by the
@@ -47,6 +54,7 @@ class ModelParallelTransformerDecoderLayer(nn.Module):
     def __init__(self, cfg, group=parallel_state.DEFAULT_GROUP):
         super().__init__()
         group = parallel_state.resolve_group(group)
+        self.group = group
         embed_dim = cfg.decoder.embed_dim
         self.embed_dim = embed_dim
         self.normalize_before = cfg.decoder.normalize_before
@@ -68,8 +76,21 @@ class ModelParallelTransformerDecoderLayer(nn.Module):
         self.final_layer_norm = LayerNorm(embed_dim, export=cfg.export)
         self.need_attn = False
 
-    def _dropout(self, x: Tensor) -> Tensor:
-        return nn.functional.dropout(x, p=self.dropout_p, training=self.training)
+    def _dropout(self, x: Tensor, sequence_parallel: bool) -> Tensor:
+        if not sequence_parallel or not self.training or self.dropout_p == 0:
+            return F.dropout(x, p=self.dropout_p, training=self.training)
+        # Each rank holds different positions: draw from the per-rank stream.
+        with get_rng_tracker().fork(x.device):
+            return F.dropout(x, p=self.dropout_p, training=True)
+
+    def _layer_norm(self, norm: nn.Module, x: Tensor, sequence_parallel: bool) -> Tensor:
+        if not sequence_parallel:
+            return norm(x)
+        # On a sequence shard each rank sees only its positions: the weight and
+        # bias gradients are partial sums, all-reduced by the copy's backward.
+        weight = copy_to_tensor_model_parallel_region(norm.weight, self.group)
+        bias = copy_to_tensor_model_parallel_region(norm.bias, self.group)
+        return F.layer_norm(x, norm.normalized_shape, weight, bias, norm.eps)
 
     def forward(
         self,
@@ -83,13 +104,15 @@ class ModelParallelTransformerDecoderLayer(nn.Module):
         self_attn_padding_mask: Optional[Tensor] = None,
         need_attn: bool = False,
         need_head_weights: bool = False,
+        sequence_parallel: bool = False,
     ):
         if encoder_out is not None:
             raise NotImplementedError("ModelParallelTransformerDecoderLayer has no encoder attention")
 
+        sp = sequence_parallel
         residual = x
         if self.normalize_before:
-            x = self.self_attn_layer_norm(x)
+            x = self._layer_norm(self.self_attn_layer_norm, x, sp)
         # fairseq's decoder passes its future mask here for full-sequence
         # passes and None for incremental steps (where T = 1 needs no mask).
         x = self.self_attn(
@@ -98,22 +121,23 @@ class ModelParallelTransformerDecoderLayer(nn.Module):
             key_padding_mask=self_attn_padding_mask,
             incremental_state=incremental_state,
             is_causal=self_attn_mask is not None,
+            sequence_parallel=sp,
         )
-        x = residual + self._dropout(x)
+        x = residual + self._dropout(x, sp)
         if not self.normalize_before:
-            x = self.self_attn_layer_norm(x)
+            x = self._layer_norm(self.self_attn_layer_norm, x, sp)
 
         residual = x
         if self.normalize_before:
-            x = self.final_layer_norm(x)
-        x = self.activation_fn(self.fc1(x))
+            x = self._layer_norm(self.final_layer_norm, x, sp)
+        x = self.activation_fn(self.fc1(x, sequence_parallel=sp))
         if self.activation_dropout_p > 0 and self.training:
             with get_rng_tracker().fork(x.device):
-                x = nn.functional.dropout(x, p=self.activation_dropout_p, training=True)
-        x = self.fc2(x)
-        x = residual + self._dropout(x)
+                x = F.dropout(x, p=self.activation_dropout_p, training=True)
+        x = self.fc2(x, sequence_parallel=sp)
+        x = residual + self._dropout(x, sp)
         if not self.normalize_before:
-            x = self.final_layer_norm(x)
+            x = self._layer_norm(self.final_layer_norm, x, sp)
         return x, None, None
 
     def make_generation_fast_(self, need_attn: bool = False, **kwargs):

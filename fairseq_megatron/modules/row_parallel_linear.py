@@ -8,7 +8,9 @@ import torch.nn.functional as F
 
 from fairseq_megatron import parallel_state
 from fairseq_megatron.modules.mappings import (
+    copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 from fairseq_megatron.modules.sharding import divide, init_shard_
@@ -59,12 +61,23 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
+        """``(*, in / N)`` -> ``(*, out)`` replicated, or with ``sequence_parallel``
+        ``(T, *, in / N)`` -> this rank's ``(T / N, *, out)`` sequence shard
+        (reduce-scatter instead of all-reduce; the bias gradient, a sum over
+        this rank's positions only, is all-reduced in backward)."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.group)
-        y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), self.group)
-        if self.bias is not None:
-            y = y + self.bias
+        y = F.linear(x, self.weight)
+        bias = self.bias
+        if sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.group)
+            if bias is not None:
+                bias = copy_to_tensor_model_parallel_region(bias, self.group)
+        else:
+            y = reduce_from_tensor_model_parallel_region(y, self.group)
+        if bias is not None:
+            y = y + bias
         return y
 
     def extra_repr(self) -> str:

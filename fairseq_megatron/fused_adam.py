@@ -29,10 +29,23 @@ class FusedAdamW(torch.optim.AdamW):
 
     supports_flat_params = True  # fp16 training keeps one flat fp32 master tensor
     supports_memory_efficient_fp16 = False
+    supports_step_with_scale = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, fused=True)
+
+    def step(self, closure=None, scale: float = 1.0):
+        """One update; gradients are divided by ``scale`` first (fairseq's
+        convention for the loss scale), inside the fused kernel, which saves
+        FP16Optimizer a separate pass over all gradients."""
+        if scale != 1.0:
+            device = self.param_groups[0]["params"][0].device
+            self.grad_scale = torch.tensor(float(scale), dtype=torch.float32, device=device)
+        try:
+            return super().step(closure)
+        finally:
+            self.grad_scale = None
 
 
 def _build(params, use_fp16_stats: bool = False, **config):

@@ -37,3 +37,22 @@ def test_fairseq_adam_gets_the_lookup_and_falls_back_off_gpu():
     # which keeps fp32 moments for fp16 weights.
     assert type(_build([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)) is Adam
     assert type(_build([torch.nn.Parameter(torch.zeros(3, dtype=torch.half))], lr=1e-3)) is Adam
+
+
+def test_step_with_scale_divides_gradients():
+    """fairseq passes the loss scale to optimizers that take it: scaled
+    gradients with ``scale=s`` give the update of unscaled gradients (1024 is
+    a power of two, so the division is exact and the results are equal).
+    eps = 1 makes the update depend on the gradients' magnitude (Adam alone
+    is nearly scale-invariant), so an ignored scale would show."""
+    results = []
+    for scale in (1.0, 1024.0):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(100))
+        opt = FusedAdamW([p], lr=1e-2, eps=1.0)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            p.grad = torch.randn(100, generator=g) * scale
+            opt.step(scale=scale)
+        results.append(p.detach())
+    assert torch.equal(results[0], results[1])

@@ -58,6 +58,7 @@ SHAPES = {
 CSV_FIELDS = [
     "date", "device", "label", "impl", "shape", "model_parallel_size", "precision", "params",
     "tokens_per_s", "model_tflops", "share_of_peak", "peak_mem_gib", "world_size", "command",
+    "eval_lm_tokens", "eval_lm_s", "eval_lm_tokens_per_s", "eval_lm_wikitext103_test_min",
 ]
 
 
@@ -82,37 +83,44 @@ def model_flops_per_token(shape: dict, params: int) -> float:
 # ----------------------------------------------------------------- data
 
 
-def make_data(data_dir: str, vocab_words: int, num_tokens: int, seed: int = 0) -> None:
-    """Binarized ``train`` split: Zipf-distributed ids in lines of 200 tokens + eos.
-    Skipped when it already exists (written under a temporary name first)."""
-    if os.path.exists(os.path.join(data_dir, "dict.txt")):
-        return
+def make_data(data_dir: str, vocab_words: int, split: str, num_tokens: int, seed: int = 0) -> None:
+    """Binarized ``split`` of about ``num_tokens`` Zipf-distributed ids (lines of
+    200 tokens + eos) and a dict.txt padded to a multiple of 8 as
+    fairseq-preprocess pads it. Files that exist are kept; new ones are
+    written under temporary names and renamed."""
     import numpy as np
     import torch
     from fairseq.data import indexed_dataset
 
-    tmp = data_dir + ".tmp"
-    os.makedirs(tmp, exist_ok=True)
-    with open(os.path.join(tmp, "dict.txt"), "w") as f:
-        for i in range(vocab_words):
-            f.write(f"w{i} {vocab_words - i}\n")
-        for i in range(padded_vocab(vocab_words, 8) - 4 - vocab_words):  # as fairseq-preprocess pads
-            f.write(f"madeupword{i:04d} 0\n")
-    rng = np.random.default_rng(seed)
-    nspecial, eos = 4, 2
-    builder = indexed_dataset.make_builder(os.path.join(tmp, "train.bin"), impl="mmap", vocab_size=vocab_words + nspecial)
-    for _ in range(num_tokens // 200 + 1):
-        ids = np.minimum(rng.zipf(1.1, size=200) - 1, vocab_words - 1)
-        ids = np.where(rng.random(200) < 0.3, rng.integers(0, vocab_words, 200), ids) + nspecial
+    os.makedirs(data_dir, exist_ok=True)
+    dict_path = os.path.join(data_dir, "dict.txt")
+    if not os.path.exists(dict_path):
+        with open(dict_path + ".tmp", "w") as f:
+            for i in range(vocab_words):
+                f.write(f"w{i} {vocab_words - i}\n")
+            for i in range(padded_vocab(vocab_words, 8) - 4 - vocab_words):
+                f.write(f"madeupword{i:04d} 0\n")
+        os.replace(dict_path + ".tmp", dict_path)
+    prefix = os.path.join(data_dir, split)
+    if os.path.exists(prefix + ".idx"):
+        return
+    rng = np.random.default_rng(seed + len(split))
+    nspecial, eos, line = 4, 2, 200
+    builder = indexed_dataset.make_builder(prefix + ".tmp.bin", impl="mmap", vocab_size=vocab_words + nspecial)
+    for _ in range(max(1, round(num_tokens / (line + 1)))):
+        ids = np.minimum(rng.zipf(1.1, size=line) - 1, vocab_words - 1)
+        ids = np.where(rng.random(line) < 0.3, rng.integers(0, vocab_words, line), ids) + nspecial
         builder.add_item(torch.from_numpy(np.append(ids, eos).astype(np.int64)))
-    builder.finalize(os.path.join(tmp, "train.idx"))
-    os.replace(tmp, data_dir)
+    builder.finalize(prefix + ".tmp.idx")
+    os.replace(prefix + ".tmp.bin", prefix + ".bin")
+    os.replace(prefix + ".tmp.idx", prefix + ".idx")
 
 
 # ----------------------------------------------------------------- one run
 
 
-def train_command(args, impl: str, shape: dict, data_dir: str, result_file: str, use_cuda: bool):
+def train_command(args, impl: str, shape: dict, data_dir: str, result_file: str, use_cuda: bool,
+                  save_dir: str = None):
     model_parallel_size = args.model_parallel_size if impl == "megatron" else 1
     dims = ["--decoder-layers", shape["layers"], "--decoder-embed-dim", shape["hidden"],
             "--decoder-ffn-embed-dim", shape["ffn"], "--decoder-attention-heads", shape["heads"]]
@@ -133,10 +141,12 @@ def train_command(args, impl: str, shape: dict, data_dir: str, result_file: str,
     train = [
         data_dir, "--task", "language_modeling", "--sample-break-mode", "none",
         "--tokens-per-sample", shape["seq_len"], *model, "--share-decoder-input-output-embed",
-        "--optimizer", args.optimizer, "--adam-betas", "(0.9, 0.98)", "--lr", "1e-4",
+        "--optimizer", args.optimizer, *(["--adam-betas", "(0.9, 0.98)"] if args.optimizer == "adam" else []),
+        "--lr", "1e-4",
         "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "10", *precision,
         "--batch-size", args.batch_size or shape["batch"], "--max-update", args.updates,
-        "--log-interval", args.log_interval, "--log-format", "json", "--no-save",
+        "--log-interval", args.log_interval, "--log-format", "json",
+        *(["--save-dir", save_dir, "--no-epoch-checkpoints"] if save_dir else ["--no-save"]),
         "--disable-validation", "--num-workers", "2" if use_cuda else "0", "--seed", "1",
         *([] if use_cuda else ["--cpu"]), *shlex.split(args.extra),
     ]
@@ -233,10 +243,14 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
         shape["seq_len"] = args.seq_len
     batch = args.batch_size or shape["batch"]
     data_dir = os.path.join(work_dir, f"data-v{shape['vocab']}")
-    make_data(data_dir, shape["vocab"], num_tokens=max(4_000_000 if use_cuda else 0,
-                                                         2 * args.updates * batch * shape["seq_len"]))
+    make_data(data_dir, shape["vocab"], "train",
+              num_tokens=max(4_000_000 if use_cuda else 0, 2 * args.updates * batch * shape["seq_len"]))
+    save_dir = None
+    if args.eval_lm_tokens:
+        make_data(data_dir, shape["vocab"], f"valid{args.eval_lm_tokens}", args.eval_lm_tokens)
+        save_dir = os.path.join(work_dir, f"checkpoints-{impl}")
     result_file = os.path.join(work_dir, f"result-{impl}-{os.getpid()}")
-    cmd = train_command(args, impl, shape, data_dir, result_file, use_cuda)
+    cmd = train_command(args, impl, shape, data_dir, result_file, use_cuda, save_dir)
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     if not use_cuda:
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -263,6 +277,7 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
         raise SystemExit(f"error: shape formula gives {params} parameters, fairseq logged {logged_params}")
     tokens_per_s = statistics.median(wps[-3:])
     tflops = tokens_per_s * model_flops_per_token(shape, params) / 1e12
+    eval_lm = run_eval_lm(args, impl, shape, data_dir, save_dir, use_cuda, model_parallel_size) if save_dir else {}
     label = f"{'ours' if impl == 'megatron' else 'fairseq'} {args.shape} mp{model_parallel_size} {args.precision}"
     if impl == "megatron" and args.sequence_parallel:
         label += " sp"
@@ -280,7 +295,44 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
         "peak_mem_gib": round(max(r["peak_bytes"] for r in ranks) / 2**30, 3) if ranks else "",
         "world_size": max((r["world_size"] for r in ranks), default=""),
         "command": " ".join(shlex.quote(str(c)) for c in cmd[cmd.index("--") + 1:]),
+        **eval_lm,
     }
+
+
+def run_eval_lm(args, impl, shape, data_dir, save_dir, use_cuda, model_parallel_size):
+    """fairseq-eval-lm on the checkpoint just trained, over the synthetic
+    ``valid{N}`` split, with ``--context-window`` (each block of
+    ``seq_len - context_window`` new tokens costs one ``seq_len``-token
+    forward). Returns its tokens/s and the time it implies for the 270,847
+    tokens of the Wikitext-103 test set (cost is linear in tokens). The
+    checkpoint is deleted afterwards."""
+    import re
+    import shutil
+
+    cmd = [sys.executable]
+    if model_parallel_size > 1:
+        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(model_parallel_size)]
+    cmd += ["-m", "fairseq_cli.eval_lm", data_dir, "--path", os.path.join(save_dir, "checkpoint_last.pt"),
+            "--gen-subset", f"valid{args.eval_lm_tokens}", "--sample-break-mode", "none",
+            "--tokens-per-sample", str(shape["seq_len"]), "--context-window", str(args.context_window),
+            "--batch-size", str(args.eval_batch_size), "--num-workers", "2",
+            *(["--fp16"] if args.precision != "fp32" else []), *([] if use_cuda else ["--cpu"])]
+    if impl == "megatron":
+        cmd += ["--user-dir", os.path.join(REPO, "fairseq_megatron"), "--model-parallel-size", str(model_parallel_size)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    shutil.rmtree(save_dir, ignore_errors=True)
+    found = re.findall(r"Evaluated ([0-9,]+) tokens in ([0-9.]+)s \(([0-9.]+) tokens/s\)", proc.stdout)
+    if proc.returncode != 0 or not found:
+        log_path = os.path.join(args.work_dir, f"eval_lm-{impl}-{args.shape}.log")
+        with open(log_path, "w") as f:
+            f.write(proc.stdout)
+        print(f"error: fairseq-eval-lm ({impl}) failed, exit {proc.returncode}; log {log_path}", file=sys.stderr)
+        return {}
+    tokens, seconds, tokens_per_s = found[-1]
+    return {"eval_lm_tokens": int(tokens.replace(",", "")), "eval_lm_s": float(seconds),
+            "eval_lm_tokens_per_s": float(tokens_per_s),
+            "eval_lm_wikitext103_test_min": round(270847 / float(tokens_per_s) / 60, 2)}
 
 
 # ----------------------------------------------------------------- output
@@ -337,6 +389,10 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, help="tokens per sample (default: the shape's)")
     p.add_argument("--updates", type=int, default=60)
     p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--eval-lm-tokens", type=int, default=0,
+                   help="then run fairseq-eval-lm on a synthetic split of this many tokens")
+    p.add_argument("--context-window", type=int, default=992, help="for --eval-lm-tokens")
+    p.add_argument("--eval-batch-size", type=int, default=8, help="for --eval-lm-tokens")
     p.add_argument("--peak-tflops", type=float, default=798.0, help="peak to report a share of (TFLOP/s)")
     p.add_argument("--extra", default="", help="more fairseq-train arguments, one string: --extra='--use-old-adam'")
     p.add_argument("--label", default="", help="appended to the configuration's label")
@@ -369,6 +425,11 @@ def main(argv=None):
               f"{row['model_tflops']:.1f} model TFLOP/s = {100 * row['share_of_peak']:.1f}% of "
               f"{args.peak_tflops:g}, peak memory {row['peak_mem_gib']} GiB "
               f"(world size {row['world_size']})", flush=True)
+        if "eval_lm_s" in row:
+            print(f"{row['label']}: fairseq-eval-lm --context-window {args.context_window}: "
+                  f"{row['eval_lm_tokens']} tokens in {row['eval_lm_s']} s = {row['eval_lm_tokens_per_s']:.0f} "
+                  f"tokens/s -> {row['eval_lm_wikitext103_test_min']} min for the 270,847-token "
+                  f"Wikitext-103 test set", flush=True)
     if len(rows) == 2:
         print(f"ours / fairseq: {rows[0]['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}x tokens/s")
     if args.csv:

@@ -1,6 +1,7 @@
 """scripts/benchmark.py on CPU: the tiny shape at model-parallel size 2 with
 sequence parallelism and activation checkpointing, against fairseq's own
-transformer_lm, through unmodified fairseq-train (torchrun, gloo)."""
+transformer_lm, through unmodified fairseq-train (torchrun, gloo), then
+fairseq-eval-lm with a context window on each checkpoint."""
 
 import csv
 import os
@@ -17,6 +18,7 @@ def test_tiny_benchmark_writes_csv_and_png(tmp_path):
     cmd = [sys.executable, os.path.join(REPO, "scripts", "benchmark.py"), "--shape", "tiny",
            "--model-parallel-size", "2", "--sequence-parallel", "--checkpoint-activations",
            "--with-fairseq", "--updates", "9", "--log-interval", "3",
+           "--eval-lm-tokens", "2000", "--context-window", "48",
            "--work-dir", str(tmp_path / "work"), "--csv", out_csv, "--png", out_png]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -35,5 +37,8 @@ def test_tiny_benchmark_writes_csv_and_png(tmp_path):
         assert tokens_per_s > 0 and float(row["peak_mem_gib"]) > 0
         flops_per_token = 6 * params + 12 * 2 * 64 * 64  # tiny: 2 layers, hidden 64, 64 tokens
         assert abs(float(row["model_tflops"]) - tokens_per_s * flops_per_token / 1e12) < 1e-5
+    # fairseq-eval-lm ran on each trained checkpoint and scored the same tokens
+    assert int(ours["eval_lm_tokens"]) == int(theirs["eval_lm_tokens"]) > 1900
+    assert float(ours["eval_lm_tokens_per_s"]) > 0 and float(theirs["eval_lm_tokens_per_s"]) > 0
     with open(out_png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -15,6 +15,16 @@ from fairseq_megatron.modules.mappings import (
 from fairseq_megatron.modules.sharding import divide, init_shard_
 
 
+def column_parallel_input(x: torch.Tensor, group, sequence_parallel: bool = False) -> torch.Tensor:
+    """The input of column-parallel layers as they need it: the replicated
+    ``x`` (identity forward, gradient all-reduced over the group), or with
+    ``sequence_parallel`` this rank's ``(T / N, ...)`` shard all-gathered to
+    ``(T, ...)`` (gradient reduce-scattered)."""
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(x, group)
+    return copy_to_tensor_model_parallel_region(x, group)
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = X A + b`` with A split along its output (column) dimension.
 
@@ -63,11 +73,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         """``x`` ``(*, in)`` replicated, or with ``sequence_parallel`` this rank's
         ``(T / N, *, in)`` sequence shard, all-gathered here to ``(T, *, in)``."""
-        if sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group)
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(column_parallel_input(x, self.group, sequence_parallel), self.weight, self.bias)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.group)
         return y

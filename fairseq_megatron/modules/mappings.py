@@ -74,10 +74,15 @@ def _native_tensor_collectives(group: ProcessGroup) -> bool:
     return dist.get_backend(group) == "nccl"
 
 
-def _split_first_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _sequence_group_size(x: torch.Tensor, group: ProcessGroup) -> int:
     n = parallel_state.world_size(group)
     if x.size(0) % n != 0:
         raise ValueError(f"sequence length {x.size(0)} is not divisible by the group size {n}")
+    return n
+
+
+def _split_first_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    n = _sequence_group_size(x, group)
     return x.chunk(n, dim=0)[parallel_state.rank(group)].contiguous()
 
 
@@ -94,9 +99,7 @@ def _gather_first_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 def _reduce_scatter_first_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    n = parallel_state.world_size(group)
-    if x.size(0) % n != 0:
-        raise ValueError(f"sequence length {x.size(0)} is not divisible by the group size {n}")
+    n = _sequence_group_size(x, group)
     x = x.contiguous()
     if _native_tensor_collectives(group):
         out = x.new_empty((x.size(0) // n,) + tuple(x.shape[1:]))

@@ -9,11 +9,7 @@ from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor
 
 from fairseq_megatron import parallel_state
-from fairseq_megatron.modules.column_parallel_linear import ColumnParallelLinear
-from fairseq_megatron.modules.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-)
+from fairseq_megatron.modules.column_parallel_linear import ColumnParallelLinear, column_parallel_input
 from fairseq_megatron.modules.row_parallel_linear import RowParallelLinear
 from fairseq_megatron.modules.sharding import divide
 from fairseq_megatron.rng_tracker import get_rng_tracker
@@ -87,10 +83,7 @@ class ModelParallelMultiheadAttention(nn.Module):
         Returns three ``(T, B, C / N)`` views. With ``sequence_parallel``, ``x``
         is this rank's ``(T / N, B, C)`` sequence shard and is all-gathered.
         """
-        if sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group)
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.group)
+        x = column_parallel_input(x, self.group, sequence_parallel)
         projections = (self.q_proj, self.k_proj, self.v_proj)
         weight = torch.cat([p.weight for p in projections])
         bias = torch.cat([p.bias for p in projections]) if self.q_proj.bias is not None else None

@@ -46,6 +46,9 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# --user-dir of this checkout (= fairseq_megatron.USER_DIR; the parent process
+# does not import the plugin, only the fairseq-train processes it launches do)
+USER_DIR = os.path.join(REPO, "fairseq_megatron")
 
 # layers, hidden, ffn, heads; seq_len, micro-batch, vocabulary words
 SHAPES = {
@@ -119,13 +122,24 @@ def make_data(data_dir: str, vocab_words: int, split: str, num_tokens: int, seed
 # ----------------------------------------------------------------- one run
 
 
+def _model_parallel_size(args, impl: str) -> int:
+    return args.model_parallel_size if impl == "megatron" else 1  # fairseq's transformer_lm is not parallel
+
+
+def _launcher(nproc: int):
+    """Python, under torchrun when more than one process is needed."""
+    if nproc == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+
+
 def train_command(args, impl: str, shape: dict, data_dir: str, result_file: str, use_cuda: bool,
                   save_dir: str = None):
-    model_parallel_size = args.model_parallel_size if impl == "megatron" else 1
+    model_parallel_size = _model_parallel_size(args, impl)
     dims = ["--decoder-layers", shape["layers"], "--decoder-embed-dim", shape["hidden"],
             "--decoder-ffn-embed-dim", shape["ffn"], "--decoder-attention-heads", shape["heads"]]
     if impl == "megatron":
-        model = ["--user-dir", os.path.join(REPO, "fairseq_megatron"), "--arch", "transformer_lm_megatron",
+        model = ["--user-dir", USER_DIR, "--arch", "transformer_lm_megatron",
                  *dims, "--criterion", "vocab_parallel_cross_entropy",
                  "--model-parallel-size", model_parallel_size]
         if args.sequence_parallel:
@@ -150,10 +164,7 @@ def train_command(args, impl: str, shape: dict, data_dir: str, result_file: str,
         "--disable-validation", "--num-workers", "2" if use_cuda else "0", "--seed", "1",
         *([] if use_cuda else ["--cpu"]), *shlex.split(args.extra),
     ]
-    launcher = [sys.executable]
-    if model_parallel_size > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(model_parallel_size)]
-    return launcher + [os.path.abspath(__file__), "--fairseq-train-child", result_file, "--"] + [str(a) for a in train]
+    return _launcher(model_parallel_size) + [os.path.abspath(__file__), "--fairseq-train-child", result_file, "--"] + [str(a) for a in train]
 
 
 def run_child(result_file: str, train_argv) -> None:
@@ -270,8 +281,8 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
             with open(os.path.join(work_dir, name)) as f:
                 ranks.append(json.load(f))
             os.remove(os.path.join(work_dir, name))
-    model_parallel_size = args.model_parallel_size if impl == "megatron" else 1
-    multiple = 8 * model_parallel_size if impl == "megatron" else 8
+    model_parallel_size = _model_parallel_size(args, impl)
+    multiple = 8 * model_parallel_size  # fairseq-preprocess pads to 8; our model to 8 x its size
     params = count_params(shape, padded_vocab(shape["vocab"], multiple))
     if model_parallel_size == 1 and logged_params is not None and logged_params != params:
         raise SystemExit(f"error: shape formula gives {params} parameters, fairseq logged {logged_params}")
@@ -309,16 +320,13 @@ def run_eval_lm(args, impl, shape, data_dir, save_dir, use_cuda, model_parallel_
     import re
     import shutil
 
-    cmd = [sys.executable]
-    if model_parallel_size > 1:
-        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(model_parallel_size)]
-    cmd += ["-m", "fairseq_cli.eval_lm", data_dir, "--path", os.path.join(save_dir, "checkpoint_last.pt"),
+    cmd = _launcher(model_parallel_size) + ["-m", "fairseq_cli.eval_lm", data_dir, "--path", os.path.join(save_dir, "checkpoint_last.pt"),
             "--gen-subset", f"valid{args.eval_lm_tokens}", "--sample-break-mode", "none",
             "--tokens-per-sample", str(shape["seq_len"]), "--context-window", str(args.context_window),
             "--batch-size", str(args.eval_batch_size), "--num-workers", "2",
             *(["--fp16"] if args.precision != "fp32" else []), *([] if use_cuda else ["--cpu"])]
     if impl == "megatron":
-        cmd += ["--user-dir", os.path.join(REPO, "fairseq_megatron"), "--model-parallel-size", str(model_parallel_size)]
+        cmd += ["--user-dir", USER_DIR, "--model-parallel-size", str(model_parallel_size)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=dict(os.environ, PYTHONWARNINGS="ignore"))
     shutil.rmtree(save_dir, ignore_errors=True)

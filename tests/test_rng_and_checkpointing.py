@@ -9,6 +9,16 @@ from fairseq_megatron.rng_tracker import MODEL_PARALLEL_RNG, RNGStatesTracker, g
 from tests.helpers import build_model, init_model_parallel, make_batch, run_distributed
 
 
+def _training_pass(model, dictionary):
+    """One forward/backward in training mode on a fixed batch: (loss, {name: grad})."""
+    model.train()
+    tokens, target = make_batch(dictionary, seed=2)
+    logits, _ = model(tokens)
+    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1), ignore_index=dictionary.pad())
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 def test_fork_is_a_separate_reproducible_stream():
     tracker = RNGStatesTracker()
     tracker.add(MODEL_PARALLEL_RNG, 1234)
@@ -74,19 +84,15 @@ def test_checkpointed_layer_replays_model_parallel_dropout():
         if checkpointed:
             for layer in model.decoder.layers:
                 checkpoint_wrapper(layer)
-        model.train()
         tracker = get_rng_tracker()
         tracker.reset()
         tracker.add(MODEL_PARALLEL_RNG, 99)
         torch.manual_seed(5)
-        tokens, target = make_batch(dictionary, seed=2)
-        logits, _ = model(tokens)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1), ignore_index=dictionary.pad())
-        loss.backward()
+        loss, grads = _training_pass(model, dictionary)
         # what the tracker holds afterwards must not depend on checkpointing either
         with tracker.fork("cpu"):
             after = torch.rand(4)
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, after))
+        results.append((loss, grads, after))
         tracker.reset()
     (loss0, grads0, after0), (loss1, grads1, after1) = results
     # identical arithmetic in the same order: bitwise equal is expected
@@ -113,13 +119,9 @@ def _sequence_parallel_checkpoint_worker(rank, world_size):
         if checkpointed:
             for layer in model.decoder.layers:
                 checkpoint_wrapper(layer)
-        model.train()
         tracker.set_states(tracker_start)
         torch.set_rng_state(default_start)
-        tokens, target = make_batch(dictionary, seed=2)
-        logits, _ = model(tokens)
-        F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1), ignore_index=dictionary.pad()).backward()
-        runs.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        runs.append(_training_pass(model, dictionary)[1])
     group = parallel_state.get_tensor_model_parallel_group()
     # residual dropout on sequence shards must differ between ranks
     with tracker.fork("cpu"):
@@ -157,12 +159,7 @@ def test_compiled_layers_match_eager():
         if compiled:
             for layer in model.decoder.layers:
                 compile_for_training(layer, backend="aot_eager")
-        model.train()
-        tokens, target = make_batch(dictionary, seed=2)
-        logits, _ = model(tokens)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1), ignore_index=dictionary.pad())
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        results.append(_training_pass(model, dictionary))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
     for name, g in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], g, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")

@@ -29,7 +29,8 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    model-parallel rank 0 prints the hypotheses of fairseq-generate and
    fairseq-interactive.
 7. :func:`_fused_adam_without_apex` -- ``--optimizer adam`` uses a fused
-   kernel (torch's fused AdamW) when apex is absent; see
+   kernel (torch's fused AdamW) when apex is absent, and that kernel also
+   applies fairseq's gradient multiply and clipping; see
    :mod:`fairseq_megatron.fused_adam`.
 """
 
@@ -249,6 +250,7 @@ def _model_parallel_generate() -> None:
 def _fused_adam_without_apex() -> None:
     import fairseq.optim.adam
 
-    from fairseq_megatron.fused_adam import fused_adam_class
+    from fairseq_megatron.fused_adam import fused_adam_class, route_to_fused
 
     fairseq.optim.adam.get_fused_adam_class = fused_adam_class(fairseq.optim.adam.get_fused_adam_class)
+    route_to_fused(fairseq.optim.adam.FairseqAdam)

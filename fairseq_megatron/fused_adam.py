@@ -25,7 +25,16 @@ import torch
 
 
 class FusedAdamW(torch.optim.AdamW):
-    """``torch.optim.AdamW(fused=True)`` with the attributes fairseq's wrappers query."""
+    """``torch.optim.AdamW(fused=True)`` with the attributes fairseq's wrappers query.
+
+    It also keeps fairseq's gradient scalings out of separate passes over the
+    gradients: :meth:`multiply_grads` (the trainer's ``1 / sample_size``) and
+    the clipping coefficient of :meth:`clip_grad_norm` only update a pending
+    factor, which the fused kernel applies while it reads the gradients in
+    :meth:`step` (what fairseq's ``FP16Optimizer`` does for fp16 training, here
+    for fp32 weights: ``--bf16-autocast``, ``--amp``, fp32). Until then
+    ``p.grad`` holds the unscaled sums.
+    """
 
     supports_flat_params = True  # fp16 training keeps one flat fp32 master tensor
     supports_memory_efficient_fp16 = False
@@ -34,18 +43,49 @@ class FusedAdamW(torch.optim.AdamW):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, fused=True)
+        self._grad_factor = 1.0  # float or 0-dim tensor; applied by the next step()
+
+    def _grads(self):
+        return [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+
+    def multiply_grads(self, c) -> None:
+        """Multiply every gradient by ``c`` (float or 0-dim tensor), lazily."""
+        self._grad_factor = self._grad_factor * c
+
+    def clip_grad_norm(self, max_norm: float, aggregate_norm_fn=None) -> torch.Tensor:
+        """L2 norm of all gradients, pending factor included (one fused
+        multi-tensor reduction, where fairseq's ``utils.clip_grad_norm_``
+        launches one norm per parameter without apex); ``aggregate_norm_fn``
+        combines it across model-parallel ranks. With ``max_norm > 0`` the
+        clipping coefficient ``min(1, max_norm / (norm + 1e-6))`` joins the
+        pending factor. Returns the norm before clipping (fp32, 0-dim)."""
+        grads = self._grads()
+        if not grads:
+            return torch.tensor(0.0)
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0).float() * self._grad_factor
+        if aggregate_norm_fn is not None:
+            norm = aggregate_norm_fn(norm)
+        if max_norm > 0:
+            self._grad_factor = self._grad_factor * (float(max_norm) / (norm + 1e-6)).clamp(max=1)
+        return norm
 
     def step(self, closure=None, scale: float = 1.0):
-        """One update; gradients are divided by ``scale`` first (fairseq's
-        convention for the loss scale), inside the fused kernel, which saves
-        FP16Optimizer a separate pass over all gradients."""
-        if scale != 1.0:
+        """One update with gradients multiplied by the pending factor and
+        divided by ``scale`` (fairseq's convention for the loss scale), both
+        inside the fused kernel (its ``grad_scale`` divides)."""
+        divisor = scale / self._grad_factor
+        if torch.is_tensor(divisor) or divisor != 1.0:
             device = self.param_groups[0]["params"][0].device
-            self.grad_scale = torch.tensor(float(scale), dtype=torch.float32, device=device)
+            self.grad_scale = torch.as_tensor(divisor, dtype=torch.float32, device=device).reshape(())
         try:
             return super().step(closure)
         finally:
             self.grad_scale = None
+            self._grad_factor = 1.0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._grad_factor = 1.0
+        super().zero_grad(set_to_none=set_to_none)
 
 
 def _build(params, use_fp16_stats: bool = False, **config):
@@ -67,3 +107,22 @@ def fused_adam_class(apex_lookup: Callable[[], Optional[type]]) -> Callable[[], 
         return apex_lookup() or _build
 
     return lookup
+
+
+def route_to_fused(fairseq_adam_cls) -> None:
+    """Make fairseq's ``FairseqAdam`` hand ``multiply_grads`` and
+    ``clip_grad_norm`` to its inner optimizer when that is a
+    :class:`FusedAdamW` (fairseq's versions would touch every gradient
+    right away); any other inner optimizer keeps fairseq's methods."""
+    for name in ("multiply_grads", "clip_grad_norm"):
+        original = getattr(fairseq_adam_cls, name)
+        if getattr(original, "_routes_to_fused", False):
+            continue
+
+        def method(self, *args, _original=original, _name=name, **kwargs):
+            if isinstance(self._optimizer, FusedAdamW):
+                return getattr(self._optimizer, _name)(*args, **kwargs)
+            return _original(self, *args, **kwargs)
+
+        method._routes_to_fused = True
+        setattr(fairseq_adam_cls, name, method)

@@ -14,7 +14,8 @@ default, and prints:
   intervals (steady state; the first intervals hold warm-up and compilation),
   the way ``../shared/gpu/fairseq_baseline.sh`` measures the baseline
   (``FAIRSEQ_MEGATRON_PROFILE=table.txt`` also writes a torch.profiler
-  kernel table of five steps);
+  kernel table of five steps per implementation, ``table-megatron.txt``
+  and ``table-fairseq.txt``);
 - model TFLOP/s: tokens/s x (6 x params + 12 x layers x hidden x seq_len),
   the usual model-FLOPs count (Narayanan et al. 2021, appendix; no
   recomputation counted), with params computed from the shape;
@@ -126,6 +127,15 @@ def _model_parallel_size(args, impl: str) -> int:
     return args.model_parallel_size if impl == "megatron" else 1  # fairseq's transformer_lm is not parallel
 
 
+def _precision(args, impl: str) -> str:
+    """Ours runs ``args.precision``; fairseq's transformer_lm has no bf16 GPU
+    path (its ``--bf16`` means TPU), so against ``bf16-autocast`` it runs
+    ``--fp16``, its fastest GPU recipe and the one the peers measured."""
+    if impl == "fairseq" and args.precision == "bf16-autocast":
+        return "fp16" if args.use_cuda else "fp32"
+    return args.precision
+
+
 def _launcher(nproc: int):
     """Python, under torchrun when more than one process is needed."""
     if nproc == 1:
@@ -151,7 +161,7 @@ def train_command(args, impl: str, shape: dict, data_dir: str, result_file: str,
     if args.checkpoint_activations:
         model.append("--checkpoint-activations")
     precision = {"fp16": ["--fp16"], "amp": ["--amp"], "memory-efficient-fp16": ["--memory-efficient-fp16"],
-                 "fp32": []}[args.precision]
+                 "fp32": [], "bf16-autocast": ["--bf16-autocast"]}[_precision(args, impl)]
     train = [
         data_dir, "--task", "language_modeling", "--sample-break-mode", "none",
         "--tokens-per-sample", shape["seq_len"], *model, "--share-decoder-input-output-embed",
@@ -224,7 +234,7 @@ def _profile_steps(path: str, first: int = 30, count: int = 5) -> None:
             prof[0].__exit__(None, None, None)
             if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
                 with open(path, "w") as f:
-                    f.write(prof[0].key_averages().table(sort_by="self_device_time_total", row_limit=40))
+                    f.write(prof[0].key_averages().table(sort_by="self_device_time_total", row_limit=70))
         return out
 
     Trainer.train_step = train_step
@@ -263,6 +273,9 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
     result_file = os.path.join(work_dir, f"result-{impl}-{os.getpid()}")
     cmd = train_command(args, impl, shape, data_dir, result_file, use_cuda, save_dir)
     env = dict(os.environ, PYTHONWARNINGS="ignore")
+    if env.get("FAIRSEQ_MEGATRON_PROFILE"):  # one table per implementation
+        root, ext = os.path.splitext(env["FAIRSEQ_MEGATRON_PROFILE"])
+        env["FAIRSEQ_MEGATRON_PROFILE"] = f"{root}-{impl}{ext}"
     if not use_cuda:
         env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -289,7 +302,7 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
     tokens_per_s = statistics.median(wps[-3:])
     tflops = tokens_per_s * model_flops_per_token(shape, params) / 1e12
     eval_lm = run_eval_lm(args, impl, shape, data_dir, save_dir, use_cuda, model_parallel_size) if save_dir else {}
-    label = f"{'ours' if impl == 'megatron' else 'fairseq'} {args.shape} mp{model_parallel_size} {args.precision}"
+    label = f"{'ours' if impl == 'megatron' else 'fairseq'} {args.shape} mp{model_parallel_size} {_precision(args, impl)}"
     if impl == "megatron" and args.sequence_parallel:
         label += " sp"
     if impl == "megatron" and args.compile_layers:
@@ -300,7 +313,7 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
         label += f" {args.label}"
     return {
         "date": datetime.date.today().isoformat(), "device": device, "label": label, "impl": impl,
-        "shape": args.shape, "model_parallel_size": model_parallel_size, "precision": args.precision,
+        "shape": args.shape, "model_parallel_size": model_parallel_size, "precision": _precision(args, impl),
         "params": params, "tokens_per_s": round(tokens_per_s, 1), "model_tflops": round(tflops, 6),
         "share_of_peak": round(tflops / args.peak_tflops, 6),
         "peak_mem_gib": round(max(r["peak_bytes"] for r in ranks) / 2**30, 3) if ranks else "",
@@ -324,7 +337,7 @@ def run_eval_lm(args, impl, shape, data_dir, save_dir, use_cuda, model_parallel_
             "--gen-subset", f"valid{args.eval_lm_tokens}", "--sample-break-mode", "none",
             "--tokens-per-sample", str(shape["seq_len"]), "--context-window", str(args.context_window),
             "--batch-size", str(args.eval_batch_size), "--num-workers", "2",
-            *(["--fp16"] if args.precision != "fp32" else []), *([] if use_cuda else ["--cpu"])]
+            *(["--fp16"] if use_cuda and args.precision != "fp32" else []), *([] if use_cuda else ["--cpu"])]
     if impl == "megatron":
         cmd += ["--user-dir", USER_DIR, "--model-parallel-size", str(model_parallel_size)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -387,8 +400,9 @@ def main(argv=None):
     p.add_argument("--model-parallel-size", type=int, default=1)
     p.add_argument("--with-fairseq", action="store_true", help="also time fairseq's own transformer_lm")
     p.add_argument("--only-fairseq", action="store_true", help="time only fairseq's transformer_lm")
-    p.add_argument("--precision", choices=["fp16", "amp", "memory-efficient-fp16", "fp32"],
-                   help="default: fp16 on GPU, fp32 on CPU")
+    p.add_argument("--precision", choices=["fp16", "amp", "memory-efficient-fp16", "fp32", "bf16-autocast"],
+                   help="default: fp16 on GPU, fp32 on CPU. bf16-autocast: fp32 weights, bf16 "
+                        "autocast (ours only; fairseq's transformer_lm then runs --fp16)")
     p.add_argument("--optimizer", default="adam")
     p.add_argument("--checkpoint-activations", action="store_true")
     p.add_argument("--sequence-parallel", action="store_true")
@@ -413,9 +427,9 @@ def main(argv=None):
 
     import torch
 
-    use_cuda = torch.cuda.is_available()
+    use_cuda = args.use_cuda = torch.cuda.is_available()
     args.precision = args.precision or ("fp16" if use_cuda else "fp32")
-    if not use_cuda and args.precision != "fp32":
+    if not use_cuda and args.precision not in ("fp32", "bf16-autocast"):
         p.error(f"--precision {args.precision} needs a GPU")
     if args.model_parallel_size < 1:
         p.error("--model-parallel-size must be at least 1")

@@ -1,5 +1,5 @@
 """scripts/benchmark.py on CPU: the tiny shape at model-parallel size 2 with
-sequence parallelism and activation checkpointing, against fairseq's own
+sequence parallelism, activation checkpointing and bf16 autocast, against fairseq's own
 transformer_lm, through unmodified fairseq-train (torchrun, gloo), then
 fairseq-eval-lm with a context window on each checkpoint."""
 
@@ -17,7 +17,7 @@ def test_tiny_benchmark_writes_csv_and_png(tmp_path):
     out_csv, out_png = str(tmp_path / "bench.csv"), str(tmp_path / "bench.png")
     cmd = [sys.executable, os.path.join(REPO, "scripts", "benchmark.py"), "--shape", "tiny",
            "--model-parallel-size", "2", "--sequence-parallel", "--checkpoint-activations",
-           "--with-fairseq", "--updates", "9", "--log-interval", "3",
+           "--precision", "bf16-autocast", "--with-fairseq", "--updates", "9", "--log-interval", "3",
            "--eval-lm-tokens", "2000", "--context-window", "48",
            "--work-dir", str(tmp_path / "work"), "--csv", out_csv, "--png", out_png]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, timeout=600)
@@ -29,6 +29,9 @@ def test_tiny_benchmark_writes_csv_and_png(tmp_path):
     assert (ours["impl"], ours["model_parallel_size"], ours["world_size"]) == ("megatron", "2", "2")
     assert (theirs["impl"], theirs["model_parallel_size"], theirs["world_size"]) == ("fairseq", "1", "1")
     assert "--sequence-parallel" in ours["command"] and "--checkpoint-activations" in ours["command"]
+    # bf16 autocast is ours alone; fairseq's transformer_lm has no such path (fp32 on CPU)
+    assert (ours["precision"], theirs["precision"]) == ("bf16-autocast", "fp32")
+    assert "--bf16-autocast" in ours["command"] and "--bf16-autocast" not in theirs["command"]
     # Same shape and padded vocabulary (1004 symbols -> 1008 at both sizes):
     # the benchmark checked its count against fairseq's log at size 1.
     assert ours["params"] == theirs["params"]

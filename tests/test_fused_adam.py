@@ -56,3 +56,63 @@ def test_step_with_scale_divides_gradients():
             opt.step(scale=scale)
         results.append(p.detach())
     assert torch.equal(results[0], results[1])
+
+
+def _two_steps(lazy: bool, max_norm: float):
+    """Two updates of gradients that fairseq's trainer multiplies by
+    1 / sample_size (a tensor, as the trainer may pass) and clips: lazily
+    (FusedAdamW's pending factor) or eagerly (the gradients rewritten first,
+    as fairseq's FairseqOptimizer and utils.clip_grad_norm_ do)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(7, 11))]
+    opt = FusedAdamW(params, lr=1e-2, eps=1.0)  # eps = 1: the update depends on the gradients' size
+    g = torch.Generator().manual_seed(1)
+    norms = []
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) * 40.0
+        c = torch.tensor(1 / 3)
+        if lazy:
+            opt.multiply_grads(c)
+            norms.append(opt.clip_grad_norm(max_norm))
+        else:
+            torch._foreach_mul_([p.grad for p in params], c)
+            norms.append(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf")))
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in params], torch.stack(norms)
+
+
+def test_lazy_multiply_and_clip_match_eager():
+    """The pending factor gives the updates and norms of rewriting the
+    gradients first. Tolerance rtol 1e-6: the lazy path divides by 1 / factor
+    inside the kernel where the eager one multiplies twice, a few fp32 ULP;
+    a dropped factor changes the update by 3x, a dropped clip by more."""
+    for max_norm in (0.0, 5.0):  # 5 < the norm (~230): clipping is active
+        (lazy, lazy_norms), (eager, eager_norms) = _two_steps(True, max_norm), _two_steps(False, max_norm)
+        torch.testing.assert_close(lazy_norms, eager_norms, rtol=1e-6, atol=0)
+        for a, b in zip(lazy, eager):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert eager_norms.min() > 5.0
+
+
+def test_fairseq_adam_routes_multiply_and_clip_to_fused():
+    """fairseq's FairseqAdam wrapper (the trainer's fp32 path) hands both
+    calls to FusedAdamW: the gradients are not rewritten, the norm includes
+    the factor; with fairseq's Adam inside, the gradients are multiplied."""
+    from argparse import Namespace
+
+    from fairseq.optim.adam import FairseqAdam
+
+    p = torch.nn.Parameter(torch.ones(4))
+    wrapper = FairseqAdam(Namespace(lr=[1e-3], adam_betas="(0.9, 0.999)", adam_eps=1e-8, weight_decay=0.0,
+                                    use_old_adam=True, fp16_adam_stats=False, tpu=False), [p])
+    p.grad = torch.full((4,), 2.0)
+    wrapper.multiply_grads(0.5)  # fairseq's own Adam inside: applied now
+    assert torch.equal(p.grad, torch.ones(4))
+
+    wrapper._optimizer = FusedAdamW([p], lr=1e-3)
+    p.grad = torch.full((4,), 2.0)
+    wrapper.multiply_grads(0.5)
+    assert torch.equal(p.grad, torch.full((4,), 2.0))  # deferred to the step
+    assert wrapper.clip_grad_norm(0.0).item() == 2.0  # norm of the multiplied gradients (1, 1, 1, 1)

@@ -22,8 +22,11 @@ class VocabParallelCrossEntropyCriterion(CrossEntropyCriterion):
 
     def compute_loss(self, model, net_output, sample, reduce=True):
         target = model.get_targets(sample, net_output)
-        group = model.decoder.tensor_model_parallel_group
-        loss = vocab_parallel_cross_entropy(net_output[0], target, ignore_index=self.padding_idx, group=group)
+        decoder = model.decoder
+        loss = vocab_parallel_cross_entropy(
+            net_output[0], target, ignore_index=self.padding_idx, group=decoder.tensor_model_parallel_group,
+            compiled=getattr(decoder, "compile_layers", False) and model.training,
+        )
         loss = loss.sum() if reduce else loss.view(-1)
         return loss, loss
 

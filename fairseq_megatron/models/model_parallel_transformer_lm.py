@@ -7,9 +7,11 @@ work unchanged. State-dict keys and per-rank shapes are those of fairseq's
 ``model_parallel/models/transformer_lm.py`` + ``transformer.py``.
 """
 
+import contextlib
 import logging
 from typing import Optional
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from fairseq.models.transformer import TransformerConfig, TransformerDecoder
@@ -92,7 +94,8 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         parser.add_argument(
             "--compile-layers", action="store_true",
             help="torch.compile each decoder layer for training steps (fuses layer norm, bias, "
-                 "GeLU, dropout and residual adds; the first steps pay the compilation)",
+                 "GeLU, dropout and residual adds), and the vocab-parallel loss's softmax passes; "
+                 "the first steps pay the compilation",
         )
         parser.add_argument(
             "--sequence-parallel", action="store_true",
@@ -100,6 +103,12 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
                  "(all-gather + reduce-scatter instead of all-reduce; Megatron-LM v3). Needs "
                  "--tokens-per-sample divisible by --model-parallel-size; batches whose length "
                  "is not run the plain tensor-parallel path",
+        )
+        parser.add_argument(
+            "--bf16-autocast", action="store_true",
+            help="training forward passes run under torch.autocast(bfloat16) with fp32 weights, "
+                 "fp32 gradients and no loss scaling (train without --fp16/--amp; fairseq's own "
+                 "--bf16 means TPU). Evaluation and generation are not affected",
         )
 
     @classmethod
@@ -158,6 +167,7 @@ class ModelParallelTransformerDecoder(TransformerDecoder):
         self.tensor_model_parallel_group = parallel_state.get_tensor_model_parallel_group()
         self.compile_layers = bool(safe_getattr(args, "compile_layers", False))
         self.sequence_parallel = bool(safe_getattr(args, "sequence_parallel", False))
+        self.bf16_autocast = bool(safe_getattr(args, "bf16_autocast", False))
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=True)
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
@@ -276,18 +286,33 @@ class ModelParallelTransformerDecoder(TransformerDecoder):
         gather_logits: bool = True,
     ):
         """``prev_output_tokens`` ``(B, T)`` -> (logits ``(B, T, V)`` or
-        ``(B, T, V / N)`` with ``gather_logits=False``, extra dict)."""
-        x, extra = self.extract_features(
-            prev_output_tokens,
-            encoder_out=encoder_out,
-            incremental_state=incremental_state,
-            full_context_alignment=full_context_alignment,
-            alignment_layer=alignment_layer,
-            alignment_heads=alignment_heads,
-        )
-        if not features_only:
-            x = self.output_layer(x, gather_logits=gather_logits)
+        ``(B, T, V / N)`` with ``gather_logits=False``, extra dict).
+
+        With ``--bf16-autocast`` a training pass over fp32 weights runs under
+        ``torch.autocast(bfloat16)``: matrix multiplies and attention in bf16,
+        layer norms in fp32, logits in bf16 (the criterion computes the loss
+        in fp32).
+        """
+        with self._training_autocast(prev_output_tokens.device):
+            x, extra = self.extract_features(
+                prev_output_tokens,
+                encoder_out=encoder_out,
+                incremental_state=incremental_state,
+                full_context_alignment=full_context_alignment,
+                alignment_layer=alignment_layer,
+                alignment_heads=alignment_heads,
+            )
+            if not features_only:
+                x = self.output_layer(x, gather_logits=gather_logits)
         return x, extra
+
+    def _training_autocast(self, device: torch.device):
+        """bf16 autocast for ``--bf16-autocast`` training passes; a no-op
+        otherwise, and for weights that are not fp32 (``--fp16`` already made
+        them half precision)."""
+        if self.bf16_autocast and self.training and self.embed_tokens.weight.dtype == torch.float32:
+            return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def output_layer(self, features, gather_logits: bool = True):
         """``(B, T, C)`` replicated -> ``(B, T, V)`` replicated, or this rank's

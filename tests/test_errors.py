@@ -51,3 +51,13 @@ def test_world_size_must_divide(tmp_path):
 def test_model_parallel_size_without_distributed_init():
     with pytest.raises(ValueError, match="configured for model-parallel size 2 but this run's model-parallel group has 1"):
         build_model(2)
+
+
+def test_bf16_autocast_refuses_fp16_training():
+    """--bf16-autocast needs fp32 weights; with --fp16 it would silently do
+    nothing (the weights are already half precision), so it is refused."""
+    with pytest.raises(ValueError, match="--bf16-autocast trains fp32 weights under bf16 autocast; drop --fp16$"):
+        build_model(1, bf16_autocast=True, fp16=True)
+    with pytest.raises(ValueError, match="drop --amp$"):
+        build_model(1, bf16_autocast=True, amp=True)
+    build_model(1, bf16_autocast=True, fp16=False, amp=False)  # fp32 training: fine

@@ -84,7 +84,8 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
     Raises (from ``build_model``):
         ValueError: heads, FFN size or embedding size not divisible by the
             model-parallel size; the checkpoint's ``model_parallel_size``
-            differs from the running group size.
+            differs from the running group size; ``--bf16-autocast`` with
+            ``--fp16``, ``--memory-efficient-fp16`` or ``--amp``.
         NotImplementedError: adaptive input/softmax or character embeddings.
     """
 
@@ -128,6 +129,11 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         ):
             if value % group_size != 0:
                 raise ValueError(f"{flag} {value} is not divisible by --model-parallel-size {group_size}")
+        if safe_getattr(args, "bf16_autocast", False):
+            half = [f"--{f.replace('_', '-')}" for f in ("fp16", "memory_efficient_fp16", "amp")
+                    if safe_getattr(args, f, False)]
+            if half:
+                raise ValueError(f"--bf16-autocast trains fp32 weights under bf16 autocast; drop {' '.join(half)}")
         if args.character_embeddings or args.adaptive_input or args.adaptive_softmax_cutoff:
             raise NotImplementedError(
                 "character embeddings, adaptive input and adaptive softmax are not model parallel"

@@ -45,9 +45,6 @@ class FusedAdamW(torch.optim.AdamW):
                          amsgrad=amsgrad, fused=True)
         self._grad_factor = 1.0  # float or 0-dim tensor; applied by the next step()
 
-    def _grads(self):
-        return [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-
     def multiply_grads(self, c) -> None:
         """Multiply every gradient by ``c`` (float or 0-dim tensor), lazily."""
         self._grad_factor = self._grad_factor * c
@@ -59,7 +56,7 @@ class FusedAdamW(torch.optim.AdamW):
         combines it across model-parallel ranks. With ``max_norm > 0`` the
         clipping coefficient ``min(1, max_norm / (norm + 1e-6))`` joins the
         pending factor. Returns the norm before clipping (fp32, 0-dim)."""
-        grads = self._grads()
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
             return torch.tensor(0.0)
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0).float() * self._grad_factor
@@ -113,16 +110,14 @@ def route_to_fused(fairseq_adam_cls) -> None:
     """Make fairseq's ``FairseqAdam`` hand ``multiply_grads`` and
     ``clip_grad_norm`` to its inner optimizer when that is a
     :class:`FusedAdamW` (fairseq's versions would touch every gradient
-    right away); any other inner optimizer keeps fairseq's methods."""
+    right away); any other inner optimizer keeps fairseq's methods. Call
+    once (``fairseq_integration.install`` does)."""
     for name in ("multiply_grads", "clip_grad_norm"):
         original = getattr(fairseq_adam_cls, name)
-        if getattr(original, "_routes_to_fused", False):
-            continue
 
         def method(self, *args, _original=original, _name=name, **kwargs):
             if isinstance(self._optimizer, FusedAdamW):
                 return getattr(self._optimizer, _name)(*args, **kwargs)
             return _original(self, *args, **kwargs)
 
-        method._routes_to_fused = True
         setattr(fairseq_adam_cls, name, method)

@@ -127,12 +127,12 @@ def _model_parallel_size(args, impl: str) -> int:
     return args.model_parallel_size if impl == "megatron" else 1  # fairseq's transformer_lm is not parallel
 
 
-def _precision(args, impl: str) -> str:
+def _precision(args, impl: str, use_cuda: bool) -> str:
     """Ours runs ``args.precision``; fairseq's transformer_lm has no bf16 GPU
     path (its ``--bf16`` means TPU), so against ``bf16-autocast`` it runs
     ``--fp16``, its fastest GPU recipe and the one the peers measured."""
     if impl == "fairseq" and args.precision == "bf16-autocast":
-        return "fp16" if args.use_cuda else "fp32"
+        return "fp16" if use_cuda else "fp32"
     return args.precision
 
 
@@ -161,7 +161,7 @@ def train_command(args, impl: str, shape: dict, data_dir: str, result_file: str,
     if args.checkpoint_activations:
         model.append("--checkpoint-activations")
     precision = {"fp16": ["--fp16"], "amp": ["--amp"], "memory-efficient-fp16": ["--memory-efficient-fp16"],
-                 "fp32": [], "bf16-autocast": ["--bf16-autocast"]}[_precision(args, impl)]
+                 "fp32": [], "bf16-autocast": ["--bf16-autocast"]}[_precision(args, impl, use_cuda)]
     train = [
         data_dir, "--task", "language_modeling", "--sample-break-mode", "none",
         "--tokens-per-sample", shape["seq_len"], *model, "--share-decoder-input-output-embed",
@@ -302,7 +302,8 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
     tokens_per_s = statistics.median(wps[-3:])
     tflops = tokens_per_s * model_flops_per_token(shape, params) / 1e12
     eval_lm = run_eval_lm(args, impl, shape, data_dir, save_dir, use_cuda, model_parallel_size) if save_dir else {}
-    label = f"{'ours' if impl == 'megatron' else 'fairseq'} {args.shape} mp{model_parallel_size} {_precision(args, impl)}"
+    precision = _precision(args, impl, use_cuda)
+    label = f"{'ours' if impl == 'megatron' else 'fairseq'} {args.shape} mp{model_parallel_size} {precision}"
     if impl == "megatron" and args.sequence_parallel:
         label += " sp"
     if impl == "megatron" and args.compile_layers:
@@ -313,7 +314,7 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
         label += f" {args.label}"
     return {
         "date": datetime.date.today().isoformat(), "device": device, "label": label, "impl": impl,
-        "shape": args.shape, "model_parallel_size": model_parallel_size, "precision": _precision(args, impl),
+        "shape": args.shape, "model_parallel_size": model_parallel_size, "precision": precision,
         "params": params, "tokens_per_s": round(tokens_per_s, 1), "model_tflops": round(tflops, 6),
         "share_of_peak": round(tflops / args.peak_tflops, 6),
         "peak_mem_gib": round(max(r["peak_bytes"] for r in ranks) / 2**30, 3) if ranks else "",
@@ -427,7 +428,7 @@ def main(argv=None):
 
     import torch
 
-    use_cuda = args.use_cuda = torch.cuda.is_available()
+    use_cuda = torch.cuda.is_available()
     args.precision = args.precision or ("fp16" if use_cuda else "fp32")
     if not use_cuda and args.precision not in ("fp32", "bf16-autocast"):
         p.error(f"--precision {args.precision} needs a GPU")

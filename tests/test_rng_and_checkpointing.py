@@ -1,5 +1,7 @@
 """The model-parallel RNG tracker and activation checkpointing with dropout."""
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -17,6 +19,16 @@ def _training_pass(model, dictionary):
     loss = F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1), ignore_index=dictionary.pad())
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _build_with_layers(model_parallel_size, wrap=None, **overrides):
+    """``build_model`` (seed 0), then ``wrap(layer)`` on every decoder layer
+    when given (checkpointing, compilation)."""
+    model, dictionary = build_model(model_parallel_size, seed=0, **overrides)
+    if wrap is not None:
+        for layer in model.decoder.layers:
+            wrap(layer)
+    return model, dictionary
 
 
 def test_fork_is_a_separate_reproducible_stream():
@@ -80,10 +92,7 @@ def test_checkpointed_layer_replays_model_parallel_dropout():
     overrides = dict(dropout=0.2, attention_dropout=0.2, activation_dropout=0.2)
     results = []
     for checkpointed in (False, True):
-        model, dictionary = build_model(1, seed=0, **overrides)
-        if checkpointed:
-            for layer in model.decoder.layers:
-                checkpoint_wrapper(layer)
+        model, dictionary = _build_with_layers(1, checkpoint_wrapper if checkpointed else None, **overrides)
         tracker = get_rng_tracker()
         tracker.reset()
         tracker.add(MODEL_PARALLEL_RNG, 99)
@@ -104,7 +113,7 @@ def test_checkpointed_layer_replays_model_parallel_dropout():
 
 def test_checkpoint_activations_flag_wraps_layers():
     model, _ = build_model(1, checkpoint_activations=True)
-    assert all(isinstance(layer.forward, __import__("functools").partial) for layer in model.decoder.layers)
+    assert all(isinstance(layer.forward, functools.partial) for layer in model.decoder.layers)
     assert "decoder.layers.0.fc1.weight" in model.state_dict()
 
 
@@ -115,10 +124,7 @@ def _sequence_parallel_checkpoint_worker(rank, world_size):
     overrides = dict(dropout=0.2, attention_dropout=0.2, activation_dropout=0.2, sequence_parallel=True)
     runs = []
     for checkpointed in (False, True):
-        model, dictionary = build_model(2, seed=0, **overrides)
-        if checkpointed:
-            for layer in model.decoder.layers:
-                checkpoint_wrapper(layer)
+        model, dictionary = _build_with_layers(2, checkpoint_wrapper if checkpointed else None, **overrides)
         tracker.set_states(tracker_start)
         torch.set_rng_state(default_start)
         runs.append(_training_pass(model, dictionary)[1])
@@ -155,10 +161,8 @@ def test_compiled_layers_match_eager():
     torch._dynamo.utils.counters.clear()
     results = []
     for compiled in (False, True):
-        model, dictionary = build_model(1, seed=0, decoder_layers=3)
-        if compiled:
-            for layer in model.decoder.layers:
-                compile_for_training(layer, backend="aot_eager")
+        wrap = functools.partial(compile_for_training, backend="aot_eager") if compiled else None
+        model, dictionary = _build_with_layers(1, wrap, decoder_layers=3)
         results.append(_training_pass(model, dictionary))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
     for name, g in results[0][1].items():

@@ -9,7 +9,11 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    ``--model-parallel-size > 1`` (no pip release ships the git submodule).
 2. :func:`_enable_megatron_trainer` -- ``fairseq_cli/train.py`` imported
    ``MegatronTrainer`` before any user dir, so its "submodule present" flag is
-   already False; set it and bind the names it failed to import.
+   already False; set it and bind the names it failed to import. Its
+   ``clip_grad_norm`` counted the parameters every rank holds in full (layer
+   norms, row-parallel biases) once per rank, so ``gnorm`` and clipping
+   depended on the model-parallel size; now each counts once
+   (:mod:`fairseq_megatron.grad_norm`).
 3. :func:`_launch_on_cpu` -- torchrun on a CPU-only machine: fairseq divides
    by ``torch.cuda.device_count()`` (ZeroDivisionError), ignores torchrun's
    WORLD_SIZE unless ``--distributed-world-size`` repeats it, and defaults to
@@ -76,7 +80,8 @@ def _provide_mpu() -> None:
 def _enable_megatron_trainer() -> None:
     from fairseq.model_parallel import megatron_trainer
 
-    from fairseq_megatron import mpu
+    from fairseq_megatron import mpu, parallel_state
+    from fairseq_megatron.grad_norm import model_parallel_norm_aggregator
 
     for name in (
         "get_data_parallel_group",
@@ -88,6 +93,14 @@ def _enable_megatron_trainer() -> None:
     ):
         setattr(megatron_trainer, name, getattr(mpu, name))
     megatron_trainer.has_megatron_submodule = True
+
+    def clip_grad_norm(self, clip_norm):
+        """Clip by the norm of the whole model, replicated parameters counted
+        once (fairseq's counts them once per model-parallel rank)."""
+        aggregate = model_parallel_norm_aggregator(self.model, parallel_state.get_tensor_model_parallel_group())
+        return self.optimizer.clip_grad_norm(clip_norm, aggregate_norm_fn=aggregate)
+
+    megatron_trainer.MegatronTrainer.clip_grad_norm = clip_grad_norm
 
 
 def _launch_on_cpu() -> None:

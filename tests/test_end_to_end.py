@@ -221,3 +221,30 @@ def test_world_size_not_divisible_by_model_parallel_size(trained):
     rc, out = fairseq("train", args, nproc=3, check=False)
     assert rc != 0
     assert "world size 3 is not divisible by --model-parallel-size 2" in out
+
+
+def _per_update(log, key):
+    """``key=value`` of each logged update (``--log-format simple``, ``--log-interval 1``)."""
+    return [float(v) for v in re.findall(rf"\| epoch \d+: +\d+ / \d+ .*?\b{key}=([0-9.]+)", log)]
+
+
+def test_gradient_norm_and_clipping_match_size_1(trained):
+    """``gnorm`` (which ``--clip-norm`` clips by) at model-parallel size 2
+    equals the size-1 model's on the same data and initial weights: replicated
+    parameters count once (fairseq's MegatronTrainer counts them per rank, 2%
+    too high for this model). Dropout is off, so both sizes compute the same
+    function. Tolerance: fairseq prints 3 decimals; fp32 differences between
+    the sizes are ~1e-6, so values agree to one unit in the last place."""
+    logs = {}
+    for size in (1, 2):
+        args = train_args(trained["data"], str(trained["root"] / f"clip-size{size}"), max_update=3)
+        args[args.index("--model-parallel-size") + 1] = str(size)
+        args += ["--dropout", "0", "--attention-dropout", "0", "--clip-norm", "0.5", "--no-save"]
+        _, logs[size] = fairseq("train", args, nproc=2 if size == 2 else None)
+        assert f"training on {size} devices" in logs[size], logs[size][-2000:]
+    for key in ("loss", "gnorm"):
+        at_1, at_2 = _per_update(logs[1], key), _per_update(logs[2], key)
+        assert len(at_1) == len(at_2) == 3, (key, at_1, at_2)
+        for a, b in zip(at_1, at_2):
+            assert abs(a - b) <= 1.1e-3, (key, at_1, at_2)
+    assert min(_per_update(logs[1], "gnorm")) > 0.5, "the updates were not clipped"

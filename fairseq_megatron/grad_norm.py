@@ -1,0 +1,85 @@
+"""The gradient norm of a tensor-model-parallel model, every parameter counted once.
+
+fairseq's ``MegatronTrainer.clip_grad_norm``
+(``fairseq/model_parallel/megatron_trainer.py``) squares each rank's local
+gradient norm, all-reduces the squares over the model-parallel group and
+takes the root. The parameters that every rank holds in full (layer norms,
+row-parallel biases, learned positions: the "replicated" rows of
+:mod:`fairseq_megatron.checkpoint_layout`) then count N times, so at
+model-parallel size N the logged ``gnorm`` and the ``--clip-norm``
+coefficient differ from those of the same model at size 1. Megatron-LM
+counts such a parameter on one rank only (``megatron/core/optimizer/clip_grads.py``,
+``param_is_not_tensor_parallel_duplicate``); :func:`model_parallel_norm_aggregator`
+gives fairseq's optimizers an ``aggregate_norm_fn`` that does the same.
+
+fairseq's optimizer wrappers compute the local norm over their own copy of
+the gradients (a flat fp32 master buffer with ``--fp16``, the fp16 gradients
+with ``--memory-efficient-fp16``, fp32 gradients with a pending
+``1 / sample_size`` factor in :class:`~fairseq_megatron.fused_adam.FusedAdamW`),
+but always one scalar times the model's own ``p.grad``. So the aggregator
+measures, on the model's gradients, which share of this rank's squared norm
+belongs to replicated parameters, and scales that share by ``1 / N`` before
+the all-reduce; the scalar cancels. The price, at model-parallel size > 1
+only, is one more read of every gradient per step (two multi-tensor norms).
+"""
+
+from typing import Callable, Iterable, List, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fairseq_megatron import parallel_state
+from fairseq_megatron.checkpoint_layout import partition_dim
+
+
+def _squared_norm(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of ``grads`` in fp32 (fp16 loss-scaled gradients would
+    overflow a norm kept in fp16), a 0-dim tensor on ``device``."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    return torch.stack(norms).square().sum()
+
+
+def split_grads(named_parameters: Iterable[Tuple[str, nn.Parameter]]):
+    """``(sharded, replicated)`` lists of this rank's gradients, by the
+    checkpoint layout's rule for each parameter name (a ``module.`` prefix of
+    a wrapper does not matter). Parameters without a gradient are skipped."""
+    sharded, replicated = [], []
+    for name, p in named_parameters:
+        if p.grad is not None:
+            (replicated if partition_dim(name) is None else sharded).append(p.grad)
+    return sharded, replicated
+
+
+def model_parallel_norm_aggregator(model: nn.Module, group=None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An ``aggregate_norm_fn`` for fairseq's ``optimizer.clip_grad_norm``.
+
+    Call it after the backward pass (it reads ``model``'s gradients). The
+    returned function maps this rank's local norm ``L`` (0-dim tensor, any
+    float dtype; ``L = c * ||local p.grad||`` for a scalar ``c``) to the norm
+    of the whole model over the tensor-model-parallel ``group`` (default: the
+    current one), in the same units as ``L``:
+    ``sqrt(sum over ranks of L^2 * (S + R / N) / (S + R))``, with ``S`` and
+    ``R`` this rank's squared norms of sharded and replicated gradients and
+    ``N`` the group size. Returns fp32.
+
+    Non-finite gradients (fp16 overflow) leave ``L^2`` unscaled, so an
+    overflow still shows as an infinite or NaN norm; all-zero gradients give 0.
+    """
+    group = parallel_state.resolve_group(group)
+    n = parallel_state.world_size(group)
+    sharded, replicated = split_grads(model.named_parameters())
+
+    def aggregate(local_norm: torch.Tensor) -> torch.Tensor:
+        total = local_norm.float().square()
+        if n > 1:
+            s = _squared_norm(sharded, total.device)
+            r = _squared_norm(replicated, total.device)
+            share = (s + r / n) / (s + r)
+            total = total * torch.where(torch.isfinite(share), share, torch.ones_like(share))
+            dist.all_reduce(total, group=group)
+        return total.sqrt()
+
+    return aggregate

@@ -27,6 +27,10 @@ default, and prints:
 ``--with-fairseq`` also runs fairseq's own non-parallel ``transformer_lm``
 (same shape, data, batch, optimizer and precision) in the same invocation,
 so ratios compare numbers taken on the same machine at the same time.
+``--with-anchor ../shared/gpu/sdpa_gpt_anchor.py`` does the same for the
+compiled minimal GPT that issue #6 sets as the target (its ``bench`` for this
+shape with ``compile_=True``, in a fresh process; no fairseq-train, its own
+50,048-row vocabulary and random tokens).
 ``--csv`` appends one row per configuration; ``--png`` draws tokens/s and
 peak memory per configuration from every row of that CSV (matplotlib).
 
@@ -39,6 +43,7 @@ import csv
 import datetime
 import json
 import os
+import re
 import resource
 import shlex
 import statistics
@@ -357,7 +362,66 @@ def run_eval_lm(args, impl, shape, data_dir, save_dir, use_cuda, model_parallel_
             "eval_lm_wikitext103_test_min": round(270847 / float(tokens_per_s) / 60, 2)}
 
 
+# The anchor file benchmarks every shape when run; its definitions end where
+# that loop starts. The child runs them, then bench() for one shape.
+_ANCHOR_LOOP = "\nfor c in (False, True):"
+_ANCHOR_CHILD = """
+import sys
+path, name, layers, hidden, heads, ffn, batch, seq_len = sys.argv[1:]
+source = open(path).read()
+cut = source.find(%r)
+if cut < 0:
+    sys.exit(f"error: {path} does not end in the loop this script expects; cannot run one shape")
+namespace = {"__name__": "sdpa_gpt_anchor"}
+exec(compile(source[:cut], path, "exec"), namespace)
+namespace["bench"](name, int(layers), int(hidden), int(heads), int(ffn), compile_=True,
+                   B=int(batch), T=int(seq_len))
+""" % _ANCHOR_LOOP
+ANCHOR_VOCAB = 50048  # the anchor's embedding rows, whatever the shape's vocabulary
+_ANCHOR_LINE = re.compile(
+    r"compiled: ([0-9]+)M params, ([0-9.]+) tokens/s, [0-9.]+ TFLOP/s, peak mem ([0-9.]+) GiB")
+
+
+def run_anchor(args, work_dir: str, device: str):
+    """``bench(..., compile_=True)`` of the ``--with-anchor`` file for this shape,
+    in its own process; returns a CSV row like :func:`run_one`'s (model FLOPs
+    from this script's formula with the anchor's vocabulary, which is also how
+    the anchor counts them)."""
+    shape = dict(SHAPES[args.shape])
+    if args.seq_len:
+        shape["seq_len"] = args.seq_len
+    batch = args.batch_size or shape["batch"]
+    argv = [args.with_anchor, f"anchor {args.shape}", shape["layers"], shape["hidden"], shape["heads"],
+            shape["ffn"], batch, shape["seq_len"]]
+    proc = subprocess.run([sys.executable, "-c", _ANCHOR_CHILD, *map(str, argv)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    log_path = os.path.join(work_dir, f"anchor-{args.shape}.log")
+    with open(log_path, "w") as f:
+        f.write(proc.stdout)
+    found = _ANCHOR_LINE.findall(proc.stdout)
+    if proc.returncode != 0 or not found:
+        tail = "\n".join(proc.stdout.strip().splitlines()[-5:])
+        raise SystemExit(f"error: the anchor {args.with_anchor} failed, exit {proc.returncode}; log {log_path}:\n{tail}")
+    _, tokens_per_s, peak_gib = found[-1]
+    params = count_params(shape, ANCHOR_VOCAB)
+    tflops = float(tokens_per_s) * model_flops_per_token(shape, params) / 1e12
+    return {
+        "date": datetime.date.today().isoformat(), "device": device,
+        "label": f"compiled minimal GPT {args.shape}" + (f" {args.label}" if args.label else ""),
+        "impl": "anchor", "shape": args.shape, "model_parallel_size": 1, "precision": "bf16-autocast",
+        "params": params, "tokens_per_s": round(float(tokens_per_s), 1), "model_tflops": round(tflops, 6),
+        "share_of_peak": round(tflops / args.peak_tflops, 6), "peak_mem_gib": float(peak_gib),
+        "world_size": 1, "command": " ".join(shlex.quote(str(a)) for a in argv),
+    }
+
+
 # ----------------------------------------------------------------- output
+
+
+def describe(row: dict, peak_tflops: float) -> str:
+    return (f"{row['label']}: {row['params'] / 1e6:.1f}M params, {row['tokens_per_s']:.0f} tokens/s, "
+            f"{row['model_tflops']:.1f} model TFLOP/s = {100 * row['share_of_peak']:.1f}% of "
+            f"{peak_tflops:g}, peak memory {row['peak_mem_gib']} GiB (world size {row['world_size']})")
 
 
 def append_csv(path: str, rows) -> None:
@@ -401,6 +465,8 @@ def main(argv=None):
     p.add_argument("--model-parallel-size", type=int, default=1)
     p.add_argument("--with-fairseq", action="store_true", help="also time fairseq's own transformer_lm")
     p.add_argument("--only-fairseq", action="store_true", help="time only fairseq's transformer_lm")
+    p.add_argument("--with-anchor", metavar="FILE",
+                   help="also time the compiled minimal GPT of FILE (../shared/gpu/sdpa_gpt_anchor.py)")
     p.add_argument("--precision", choices=["fp16", "amp", "memory-efficient-fp16", "fp32", "bf16-autocast"],
                    help="default: fp16 on GPU, fp32 on CPU. bf16-autocast: fp32 weights, bf16 "
                         "autocast (ours only; fairseq's transformer_lm then runs --fp16)")
@@ -425,6 +491,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.png and not args.csv:
         p.error("--png draws the rows of --csv; pass --csv too")
+    if args.with_anchor and not os.path.isfile(args.with_anchor):
+        p.error(f"--with-anchor: no such file: {args.with_anchor}")
 
     import torch
 
@@ -444,17 +512,23 @@ def main(argv=None):
     for impl in impls:
         row = run_one(args, impl, args.work_dir, use_cuda, device)
         rows.append(row)
-        print(f"{row['label']}: {row['params'] / 1e6:.1f}M params, {row['tokens_per_s']:.0f} tokens/s, "
-              f"{row['model_tflops']:.1f} model TFLOP/s = {100 * row['share_of_peak']:.1f}% of "
-              f"{args.peak_tflops:g}, peak memory {row['peak_mem_gib']} GiB "
-              f"(world size {row['world_size']})", flush=True)
+        print(describe(row, args.peak_tflops), flush=True)
         if "eval_lm_s" in row:
             print(f"{row['label']}: fairseq-eval-lm --context-window {args.context_window}: "
                   f"{row['eval_lm_tokens']} tokens in {row['eval_lm_s']} s = {row['eval_lm_tokens_per_s']:.0f} "
                   f"tokens/s -> {row['eval_lm_wikitext103_test_min']} min for the 270,847-token "
                   f"Wikitext-103 test set", flush=True)
-    if len(rows) == 2:
-        print(f"ours / fairseq: {rows[0]['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}x tokens/s")
+    if args.with_anchor:
+        row = run_anchor(args, args.work_dir, device)
+        rows.append(row)
+        print(describe(row, args.peak_tflops), flush=True)
+    by_impl = {row["impl"]: row["tokens_per_s"] for row in rows}
+    if "megatron" in by_impl and "fairseq" in by_impl:
+        print(f"ours / fairseq: {by_impl['megatron'] / by_impl['fairseq']:.2f}x tokens/s")
+    if "megatron" in by_impl and "anchor" in by_impl:
+        print(f"ours / compiled minimal GPT: {by_impl['megatron'] / by_impl['anchor']:.2f}x tokens/s")
+    if "fairseq" in by_impl and "anchor" in by_impl:
+        print(f"compiled minimal GPT / fairseq: {by_impl['anchor'] / by_impl['fairseq']:.2f}x tokens/s")
     if args.csv:
         append_csv(args.csv, rows)
     if args.png:

@@ -8,24 +8,44 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Stands in for ../shared/gpu/sdpa_gpt_anchor.py (which needs a GPU): same
+# bench() signature and output line, and the same closing loop over all
+# shapes, which must not run.
+FAKE_ANCHOR = """
+def bench(name, L, d, h, f, compile_=False, steps=30, B=8, T=1024):
+    assert compile_, "the anchor must be timed compiled"
+    print(f"{name} compiled: 1M params, {L * 1000 + d}.0 tokens/s, 0 TFLOP/s, peak mem {B + T / 1000} GiB")
+
+for c in (False, True):
+    raise SystemExit("the loop over every shape ran")
+"""
+
+
 def test_tiny_benchmark_writes_csv_and_png(tmp_path):
     out_csv, out_png = str(tmp_path / "bench.csv"), str(tmp_path / "bench.png")
+    anchor = tmp_path / "fake_anchor.py"
+    anchor.write_text(FAKE_ANCHOR)
     cmd = [sys.executable, os.path.join(REPO, "scripts", "benchmark.py"), "--shape", "tiny",
            "--model-parallel-size", "2", "--sequence-parallel", "--checkpoint-activations",
            "--precision", "bf16-autocast", "--with-fairseq", "--updates", "9", "--log-interval", "3",
-           "--eval-lm-tokens", "2000", "--context-window", "48",
+           "--eval-lm-tokens", "2000", "--context-window", "48", "--with-anchor", str(anchor),
            "--work-dir", str(tmp_path / "work"), "--csv", out_csv, "--png", out_png]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "ours / fairseq:" in proc.stdout
+    assert "ours / fairseq:" in proc.stdout and "ours / compiled minimal GPT:" in proc.stdout
 
     with open(out_csv) as f:
-        ours, theirs = list(csv.DictReader(f))
+        ours, theirs, gpt = list(csv.DictReader(f))
+    # the anchor ran once, for the tiny shape (2 layers, hidden 64, batch 4 x 64 tokens)
+    assert gpt["impl"] == "anchor" and float(gpt["tokens_per_s"]) == 2064.0
+    assert float(gpt["peak_mem_gib"]) == 4.064
     assert (ours["impl"], ours["model_parallel_size"], ours["world_size"]) == ("megatron", "2", "2")
     assert (theirs["impl"], theirs["model_parallel_size"], theirs["world_size"]) == ("fairseq", "1", "1")
     assert "--sequence-parallel" in ours["command"] and "--checkpoint-activations" in ours["command"]
@@ -45,3 +65,22 @@ def test_tiny_benchmark_writes_csv_and_png(tmp_path):
     assert float(ours["eval_lm_tokens_per_s"]) > 0 and float(theirs["eval_lm_tokens_per_s"]) > 0
     with open(out_png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_parameter_formula_matches_the_anchor_model():
+    """The FLOPs of the anchor row use this script's parameter formula with the
+    anchor's vocabulary; the anchor's own count (parameters minus positions)
+    must agree. Builds its model on CPU (no timing)."""
+    path = os.path.join(REPO, "..", "shared", "gpu", "sdpa_gpt_anchor.py")
+    if not os.path.exists(path):
+        pytest.skip("../shared/gpu/sdpa_gpt_anchor.py is not beside this checkout")
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import benchmark
+
+    source = open(path).read()
+    namespace = {}
+    exec(compile(source[:source.index(benchmark._ANCHOR_LOOP)], path, "exec"), namespace)
+    shape = dict(benchmark.SHAPES["tiny"])
+    model = namespace["GPT"](shape["layers"], shape["hidden"], shape["heads"], shape["ffn"], T=shape["seq_len"])
+    anchor_count = sum(p.numel() for p in model.parameters()) - model.pos.numel()
+    assert benchmark.count_params(shape, benchmark.ANCHOR_VOCAB) == anchor_count

@@ -63,6 +63,12 @@ def compile_for_training(module: nn.Module, backend: str = "inductor") -> nn.Mod
     shapes change every step and they gain nothing from fusion. Call before
     :func:`checkpoint_wrapper`, so recomputation replays the compiled forward.
     State-dict keys do not change. ``backend``: ``torch.compile``'s.
+
+    At model-parallel size > 1, dropout on sharded activations (attention,
+    ``--activation-dropout``) swaps in the RNG tracker's stream, and dynamo
+    does not trace ``get_rng_state``/``set_rng_state``: each such dropout
+    splits the layer into more graphs (4 instead of 1 with attention dropout,
+    counted on CPU). Without those dropouts the layer stays one graph.
     """
     eager = module.forward
     compiled = torch.compile(eager, backend=backend)

@@ -169,3 +169,28 @@ def test_compiled_layers_match_eager():
         torch.testing.assert_close(results[1][1][name], g, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
     counters = torch._dynamo.utils.counters
     assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
+
+
+def test_attention_without_dropout_keeps_the_compiled_layer_one_graph():
+    """Once the tracker is seeded (every run at model-parallel size > 1), each
+    swap of the default generator is a graph break under ``--compile-layers``.
+    Attention without dropout draws nothing and must not swap: the layer is
+    then one graph. With attention dropout the swap is needed and the layer
+    is split, which also shows that this count can fail."""
+    tracker = get_rng_tracker()
+    tracker.reset()
+    tracker.add(MODEL_PARALLEL_RNG, 99)
+    graphs = {}
+    try:
+        for attention_dropout in (0.0, 0.1):
+            model, _ = build_model(1, dropout=0.1, attention_dropout=attention_dropout)
+            model.train()
+            x = torch.randn(16, 2, 32, requires_grad=True)  # (T, B, C)
+            mask = model.decoder.buffered_future_mask(x)
+            explained = torch._dynamo.explain(model.decoder.layers[0].forward)(
+                x, None, None, None, self_attn_mask=mask, self_attn_padding_mask=None)
+            graphs[attention_dropout] = explained.graph_count
+    finally:
+        tracker.reset()
+    assert graphs[0.0] == 1, graphs
+    assert graphs[0.1] > 1, graphs

@@ -1,5 +1,6 @@
 """Self-attention with heads split across the tensor-model-parallel group."""
 
+import contextlib
 from typing import Dict, Optional
 
 import torch
@@ -129,7 +130,11 @@ class ModelParallelMultiheadAttention(nn.Module):
         # which lets the GPU use flash attention; anything else gets an explicit mask.
         use_is_causal = is_causal and key_padding_mask is None and k.size(2) == tgt_len
         mask = None if use_is_causal else _combine_masks(attn_mask, key_padding_mask, q.dtype)
-        with get_rng_tracker().fork(x.device):
+        # Attention dropout on the local heads draws from this rank's stream.
+        # Without dropout nothing is drawn, so the generator is not swapped:
+        # under --compile-layers each swap splits the layer's graph in two.
+        rng = get_rng_tracker().fork(x.device) if dropout_p > 0 else contextlib.nullcontext()
+        with rng:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=use_is_causal
             )

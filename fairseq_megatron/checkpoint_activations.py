@@ -67,8 +67,9 @@ def compile_for_training(module: nn.Module, backend: str = "inductor") -> nn.Mod
     At model-parallel size > 1, dropout on sharded activations (attention,
     ``--activation-dropout``) swaps in the RNG tracker's stream, and dynamo
     does not trace ``get_rng_state``/``set_rng_state``: each such dropout
-    splits the layer into more graphs (4 instead of 1 with attention dropout,
-    counted on CPU). Without those dropouts the layer stays one graph.
+    splits the layer into more graphs (counted on CPU: 4 with attention
+    dropout, 6 with activation dropout as well). Without those dropouts the
+    layer stays one graph.
     """
     eager = module.forward
     compiled = torch.compile(eager, backend=backend)

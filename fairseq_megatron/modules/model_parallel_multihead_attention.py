@@ -1,6 +1,5 @@
 """Self-attention with heads split across the tensor-model-parallel group."""
 
-import contextlib
 from typing import Dict, Optional
 
 import torch
@@ -130,14 +129,13 @@ class ModelParallelMultiheadAttention(nn.Module):
         # which lets the GPU use flash attention; anything else gets an explicit mask.
         use_is_causal = is_causal and key_padding_mask is None and k.size(2) == tgt_len
         mask = None if use_is_causal else _combine_masks(attn_mask, key_padding_mask, q.dtype)
-        # Attention dropout on the local heads draws from this rank's stream.
-        # Without dropout nothing is drawn, so the generator is not swapped:
-        # under --compile-layers each swap splits the layer's graph in two.
-        rng = get_rng_tracker().fork(x.device) if dropout_p > 0 else contextlib.nullcontext()
-        with rng:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=use_is_causal
-            )
+
+        if dropout_p > 0:  # dropout on the local heads draws from this rank's stream
+            with get_rng_tracker().fork(x.device):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                     is_causal=use_is_causal)
+        else:  # nothing drawn, no generator swap (under --compile-layers each swap breaks the graph)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=use_is_causal)
 
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.num_heads_partition * self.head_dim)
         return self.out_proj(out, sequence_parallel=sequence_parallel)  # (T, B, C) or (T / N, B, C)

@@ -23,6 +23,7 @@ the all-reduce; the scalar cancels. The price, at model-parallel size > 1
 only, is one more read of every gradient per step (two multi-tensor norms).
 """
 
+import functools
 from typing import Callable, Iterable, List, Tuple
 
 import torch
@@ -42,6 +43,12 @@ def _squared_norm(grads: List[torch.Tensor], device: torch.device) -> torch.Tens
     return torch.stack(norms).square().sum()
 
 
+@functools.lru_cache(maxsize=None)
+def _is_replicated(name: str) -> bool:
+    """The checkpoint layout's rule, once per parameter name (it runs every step)."""
+    return partition_dim(name) is None
+
+
 def split_grads(named_parameters: Iterable[Tuple[str, nn.Parameter]]):
     """``(sharded, replicated)`` lists of this rank's gradients, by the
     checkpoint layout's rule for each parameter name (a ``module.`` prefix of
@@ -49,7 +56,7 @@ def split_grads(named_parameters: Iterable[Tuple[str, nn.Parameter]]):
     sharded, replicated = [], []
     for name, p in named_parameters:
         if p.grad is not None:
-            (replicated if partition_dim(name) is None else sharded).append(p.grad)
+            (replicated if _is_replicated(name) else sharded).append(p.grad)
     return sharded, replicated
 
 

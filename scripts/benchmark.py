@@ -71,6 +71,14 @@ CSV_FIELDS = [
 ]
 
 
+def resolved_shape(args) -> dict:
+    """The ``--shape`` entry with ``--seq-len`` and ``--batch-size`` applied."""
+    shape = dict(SHAPES[args.shape])
+    shape["seq_len"] = args.seq_len or shape["seq_len"]
+    shape["batch"] = args.batch_size or shape["batch"]
+    return shape
+
+
 def padded_vocab(words: int, multiple: int) -> int:
     n = words + 4  # fairseq's <s> <pad> </s> <unk>
     return (n + multiple - 1) // multiple * multiple
@@ -173,7 +181,7 @@ def train_command(args, impl: str, shape: dict, data_dir: str, result_file: str,
         "--optimizer", args.optimizer, *(["--adam-betas", "(0.9, 0.98)"] if args.optimizer == "adam" else []),
         "--lr", "1e-4",
         "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "10", *precision,
-        "--batch-size", args.batch_size or shape["batch"], "--max-update", args.updates,
+        "--batch-size", shape["batch"], "--max-update", args.updates,
         "--log-interval", args.log_interval, "--log-format", "json",
         *(["--save-dir", save_dir, "--no-epoch-checkpoints"] if save_dir else ["--no-save"]),
         "--disable-validation", "--num-workers", "2" if use_cuda else "0", "--seed", "1",
@@ -264,13 +272,10 @@ def parse_log(output: str):
 
 
 def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
-    shape = dict(SHAPES[args.shape])
-    if args.seq_len:
-        shape["seq_len"] = args.seq_len
-    batch = args.batch_size or shape["batch"]
+    shape = resolved_shape(args)
     data_dir = os.path.join(work_dir, f"data-v{shape['vocab']}")
     make_data(data_dir, shape["vocab"], "train",
-              num_tokens=max(4_000_000 if use_cuda else 0, 2 * args.updates * batch * shape["seq_len"]))
+              num_tokens=max(4_000_000 if use_cuda else 0, 2 * args.updates * shape["batch"] * shape["seq_len"]))
     save_dir = None
     if args.eval_lm_tokens:
         make_data(data_dir, shape["vocab"], f"valid{args.eval_lm_tokens}", args.eval_lm_tokens)
@@ -387,12 +392,9 @@ def run_anchor(args, work_dir: str, device: str):
     in its own process; returns a CSV row like :func:`run_one`'s (model FLOPs
     from this script's formula with the anchor's vocabulary, which is also how
     the anchor counts them)."""
-    shape = dict(SHAPES[args.shape])
-    if args.seq_len:
-        shape["seq_len"] = args.seq_len
-    batch = args.batch_size or shape["batch"]
+    shape = resolved_shape(args)
     argv = [args.with_anchor, f"anchor {args.shape}", shape["layers"], shape["hidden"], shape["heads"],
-            shape["ffn"], batch, shape["seq_len"]]
+            shape["ffn"], shape["batch"], shape["seq_len"]]
     proc = subprocess.run([sys.executable, "-c", _ANCHOR_CHILD, *map(str, argv)], stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
     log_path = os.path.join(work_dir, f"anchor-{args.shape}.log")
@@ -523,12 +525,10 @@ def main(argv=None):
         rows.append(row)
         print(describe(row, args.peak_tflops), flush=True)
     by_impl = {row["impl"]: row["tokens_per_s"] for row in rows}
-    if "megatron" in by_impl and "fairseq" in by_impl:
-        print(f"ours / fairseq: {by_impl['megatron'] / by_impl['fairseq']:.2f}x tokens/s")
-    if "megatron" in by_impl and "anchor" in by_impl:
-        print(f"ours / compiled minimal GPT: {by_impl['megatron'] / by_impl['anchor']:.2f}x tokens/s")
-    if "fairseq" in by_impl and "anchor" in by_impl:
-        print(f"compiled minimal GPT / fairseq: {by_impl['anchor'] / by_impl['fairseq']:.2f}x tokens/s")
+    for a, b, name in (("megatron", "fairseq", "ours / fairseq"), ("megatron", "anchor", "ours / compiled minimal GPT"),
+                       ("anchor", "fairseq", "compiled minimal GPT / fairseq")):
+        if a in by_impl and b in by_impl:
+            print(f"{name}: {by_impl[a] / by_impl[b]:.2f}x tokens/s")
     if args.csv:
         append_csv(args.csv, rows)
     if args.png:

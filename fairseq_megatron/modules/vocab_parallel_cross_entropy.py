@@ -23,9 +23,15 @@ def _all_reduce_(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM) -> 
     return x
 
 
+def _exp_shifted(logits: torch.Tensor, logits_max: torch.Tensor) -> torch.Tensor:
+    """``exp(logits_ij - max_i)`` in fp32 (the fp32 max promotes half-precision
+    logits): ``(N, V_local)``, ``(N,)`` -> ``(N, V_local)``."""
+    return torch.sub(logits, logits_max.unsqueeze(-1)).exp_()
+
+
 def _sum_exp(logits: torch.Tensor, logits_max: torch.Tensor) -> torch.Tensor:
     """``sum_j exp(logits_ij - max_i)`` in fp32: ``(N, V_local)``, ``(N,)`` -> ``(N,)``."""
-    return torch.sub(logits, logits_max.unsqueeze(-1)).exp_().sum(dim=-1)
+    return _exp_shifted(logits, logits_max).sum(dim=-1)
 
 
 def _logits_grad(logits, logits_max, sum_exp, local_target, valid, grad_loss) -> torch.Tensor:
@@ -37,7 +43,7 @@ def _logits_grad(logits, logits_max, sum_exp, local_target, valid, grad_loss) ->
     forward to backward); eager, it is a few in-place passes over one fp32
     temporary.
     """
-    grad = torch.sub(logits, logits_max.unsqueeze(-1)).exp_().div_(sum_exp.unsqueeze(-1))  # softmax, fp32
+    grad = _exp_shifted(logits, logits_max).div_(sum_exp.unsqueeze(-1))  # softmax, fp32
     columns = torch.arange(logits.size(-1), device=logits.device)
     is_target = (columns == local_target.unsqueeze(-1)) & valid.unsqueeze(-1)  # (N, V_local) bool
     grad.add_(is_target, alpha=-1).mul_(grad_loss.unsqueeze(-1))

@@ -16,8 +16,9 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    (:mod:`fairseq_megatron.grad_norm`).
 3. :func:`_launch_on_cpu` -- torchrun on a CPU-only machine: fairseq divides
    by ``torch.cuda.device_count()`` (ZeroDivisionError), ignores torchrun's
-   WORLD_SIZE unless ``--distributed-world-size`` repeats it, and defaults to
-   the NCCL backend.
+   WORLD_SIZE unless ``--distributed-world-size`` repeats it, defaults to
+   the NCCL backend, and (data parallelism at model-parallel size 1) hands a
+   GPU device id to torch's DistributedDataParallel.
 4. :func:`_trusted_checkpoint_loading` -- torch >= 2.6 loads with
    ``weights_only=True``; fairseq checkpoints hold argparse/omegaconf objects.
    fairseq's checkpoint loader (only it) again loads full pickles. **Only load
@@ -32,7 +33,14 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    torch.distributed; with ``--model-parallel-size N`` it now does, and only
    model-parallel rank 0 prints the hypotheses of fairseq-generate and
    fairseq-interactive.
-7. :func:`_fused_adam_without_apex` -- ``--optimizer adam`` uses a fused
+7. :func:`_data_parallel_only` -- with ``--model-parallel-size 1`` (the
+   default) under a distributed launch, fairseq creates no model-parallel
+   groups, so building our model failed ("model parallel group is not
+   initialized") and pure data-parallel training, evaluation or generation
+   of a ``transformer_lm_megatron*`` model was impossible. Now every rank is
+   its own model-parallel group of one, and all ranks form the data-parallel
+   group; checkpoint names and RNG seeding stay fairseq's size-1 ones.
+8. :func:`_fused_adam_without_apex` -- ``--optimizer adam`` uses a fused
    kernel (torch's fused AdamW) when apex is absent, and that kernel also
    applies fairseq's gradient multiply and clipping; see
    :mod:`fairseq_megatron.fused_adam`.
@@ -60,6 +68,7 @@ def install() -> None:
     _trusted_checkpoint_loading()
     _shard_by_data_parallel_rank()
     _model_parallel_generate()
+    _data_parallel_only()
     _fused_adam_without_apex()
     _INSTALLED = True
 
@@ -130,6 +139,29 @@ def _launch_on_cpu() -> None:
 
     dist_utils._infer_torch_distributed_launch_init = infer_torch_distributed_launch_init
     dist_utils.infer_init_method = infer_init_method
+
+    import fairseq.models
+    from fairseq.distributed import ModuleProxyWrapper
+
+    original_ddp = fairseq.models.DistributedFairseqModel
+
+    @functools.wraps(original_ddp)
+    def DistributedFairseqModel(args, model, process_group, device):
+        """fairseq's pytorch_ddp backend passes ``device_ids=[device_id]``,
+        which torch's DDP refuses for a CPU module; on CPU it gets none."""
+        if torch.device(device).type != "cpu" or args.ddp_backend not in {"c10d", "pytorch_ddp"}:
+            return original_ddp(args, model, process_group, device)
+        wrapped = torch.nn.parallel.DistributedDataParallel(
+            module=model.to(device),
+            broadcast_buffers=args.broadcast_buffers,
+            bucket_cap_mb=args.bucket_cap_mb,
+            process_group=process_group,
+            find_unused_parameters=args.find_unused_parameters,
+            gradient_as_bucket_view=args.gradient_as_bucket_view,
+        )
+        return ModuleProxyWrapper(wrapped)
+
+    fairseq.models.DistributedFairseqModel = DistributedFairseqModel
 
 
 class _TorchWithTrustedLoad(types.ModuleType):
@@ -258,6 +290,24 @@ def _model_parallel_generate() -> None:
 
     _patch_cli_main("fairseq_cli.generate", wrap_generate)
     _patch_cli_main("fairseq_cli.interactive", wrap_interactive)
+
+
+def _data_parallel_only() -> None:
+    import torch.distributed as dist
+    from fairseq.distributed import utils as dist_utils
+
+    from fairseq_megatron import parallel_state
+
+    original = dist_utils.distributed_init
+
+    @functools.wraps(original)
+    def distributed_init(cfg):
+        rank = original(cfg)  # creates the groups itself when --model-parallel-size > 1
+        if dist.is_initialized() and not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(1)
+        return rank
+
+    dist_utils.distributed_init = distributed_init
 
 
 def _fused_adam_without_apex() -> None:

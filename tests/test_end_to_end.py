@@ -248,3 +248,30 @@ def test_gradient_norm_and_clipping_match_size_1(trained):
         for a, b in zip(at_1, at_2):
             assert abs(a - b) <= 1.1e-3, (key, at_1, at_2)
     assert min(_per_update(logs[1], "gnorm")) > 0.5, "the updates were not clipped"
+
+
+def test_data_parallel_training_at_model_parallel_size_1(trained):
+    """Pure data parallelism (2 processes, ``--model-parallel-size 1``, the
+    default) trains our arch, and each update equals one process
+    accumulating the same two batches (``--update-freq 2``): fairseq deals
+    the shuffled batches round-robin to the ranks, so rank r of update k gets
+    batch 2k + r. Before the plugin gave every rank a model-parallel group of
+    one, building the model failed ("model parallel group is not
+    initialized"), and fairseq's DDP refused a CPU module. Dropout is off;
+    tolerance: one unit of the 3 printed decimals (fp32 summation order)."""
+    logs = {}
+    for nproc in (1, 2):
+        args = train_args(trained["data"], str(trained["root"] / f"dp{nproc}"), max_update=3)
+        args[args.index("--model-parallel-size") + 1] = "1"
+        args += ["--dropout", "0", "--attention-dropout", "0", "--no-save"]
+        if nproc == 1:
+            args += ["--update-freq", "2"]
+        _, logs[nproc] = fairseq("train", args, nproc=2 if nproc == 2 else None)
+        assert f"training on {nproc} devices" in logs[nproc], logs[nproc][-2000:]
+    for key in ("loss", "gnorm", "bsz"):
+        one, two = _per_update(logs[1], key), _per_update(logs[2], key)
+        assert len(one) == len(two) == 3, (key, one, two)
+        for a, b in zip(one, two):
+            assert abs(a - b) <= 1.1e-3, (key, one, two)
+    assert _per_update(logs[2], "bsz") == [8.0] * 3  # 4 sequences on each of the 2 ranks
+

@@ -28,7 +28,10 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    ``fairseq-generate`` shard the data by global rank, so the ranks of one
    model-parallel group would see different batches. With model parallelism
    the shards follow the data-parallel rank instead: every token is scored
-   once, by a whole group.
+   once, by a whole group. fairseq-eval-lm's ``--context-window`` dataset
+   crashed on uneven shards and gave wrong contexts once batches were split
+   over shards or workers, and each group printed its own shard's
+   perplexity; :mod:`fairseq_megatron.eval_lm` fixes both.
 6. :func:`_model_parallel_generate` -- ``fairseq-generate`` never starts
    torch.distributed; with ``--model-parallel-size N`` it now does, and only
    model-parallel rank 0 prints the hypotheses of fairseq-generate and
@@ -213,6 +216,13 @@ def _shard_by_data_parallel_rank() -> None:
     from fairseq.tasks.fairseq_task import FairseqTask
     from fairseq.tasks.language_modeling import LanguageModelingTask
 
+    from fairseq_megatron import eval_lm
+
+    LanguageModelingTask.eval_lm_dataloader = eval_lm.eval_lm_dataloader
+    for module in _cli_modules("fairseq_cli.eval_lm"):
+        module.SequenceScorer = eval_lm.TallyingSequenceScorer
+        module.eval_lm = eval_lm.eval_lm_over_data_parallel_groups(module.eval_lm)
+
     def wrap(cls, name):
         original = getattr(cls, name)
 
@@ -227,10 +237,10 @@ def _shard_by_data_parallel_rank() -> None:
     wrap(FairseqTask, "get_batch_iterator")  # fairseq-generate
 
 
-def _patch_cli_main(module_name: str, wrap) -> None:
-    """Replace ``main`` of a fairseq_cli module by ``wrap(original_main, module)``,
-    also where that module runs as ``__main__`` (``python -m fairseq_cli.X``
-    executes the file as a second module object)."""
+def _cli_modules(module_name: str) -> list:
+    """The module objects of a fairseq_cli module: the imported one and, when
+    it runs as ``python -m fairseq_cli.X``, ``__main__`` (a second module
+    object executing the same file, with its own globals)."""
     import importlib
 
     modules = [importlib.import_module(module_name)]
@@ -238,7 +248,12 @@ def _patch_cli_main(module_name: str, wrap) -> None:
     spec = getattr(main_module, "__spec__", None)
     if spec is not None and spec.name == module_name and hasattr(main_module, "main"):
         modules.append(main_module)
-    for module in modules:
+    return modules
+
+
+def _patch_cli_main(module_name: str, wrap) -> None:
+    """Replace ``main`` of a fairseq_cli module by ``wrap(original_main, module)``."""
+    for module in _cli_modules(module_name):
         module.main = functools.wraps(module.main)(wrap(module.main, module))
 
 

@@ -275,3 +275,23 @@ def test_data_parallel_training_at_model_parallel_size_1(trained):
             assert abs(a - b) <= 1.1e-3, (key, one, two)
     assert _per_update(logs[2], "bsz") == [8.0] * 3  # 4 sequences on each of the 2 ranks
 
+
+def test_eval_lm_over_two_data_parallel_groups(trained, tmp_path):
+    """World size 4 at model-parallel size 2 (two data-parallel groups, each
+    DataLoader with 2 workers, an odd number of batches) prints the loss of
+    the whole test set, equal to one process's. Upstream this crashed
+    (KeyError 'net_input' on the empty batch that pads the short shard), took
+    each block's context from whichever batch its worker collated before,
+    and printed rank 0's shard only. Tolerance as in the size-2 test above."""
+    path = os.path.join(trained["ckpt"], "checkpoint_last.pt")
+    merged = str(tmp_path / "model.pt")
+    reshard(path, merged, 1)
+    _, one = fairseq("eval_lm", eval_args(trained["data"], merged, 1))
+    blocks = -(-evaluated_tokens(one) // 16)  # eval_args: 32 tokens per sample, 16 of them context
+    batch_size = next(b for b in range(3, 20) if -(-blocks // b) % 2 == 1)
+    args = eval_args(trained["data"], path, 2) + ["--num-workers", "2"]
+    args[args.index("--batch-size") + 1] = str(batch_size)
+    _, four = fairseq("eval_lm", args, nproc=4)
+    assert "2 data-parallel groups scored" in four, four[-3000:]
+    assert evaluated_tokens(four) < evaluated_tokens(one)  # this rank's shard only: the data was split
+    assert abs(eval_loss(four) - eval_loss(one)) <= 2e-4, (eval_loss(four), eval_loss(one))

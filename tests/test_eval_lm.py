@@ -1,0 +1,180 @@
+"""fairseq-eval-lm's context-window batches (in one process; the distributed
+runs are in test_end_to_end.py).
+
+:class:`ContextWindowDataset` must produce exactly the batches of fairseq's
+``LMContextWindowDataset`` when batches are collated in order (the only
+order that dataset gets right), and the same batches in any other order.
+Token ids are compared exactly: no arithmetic is involved.
+"""
+
+import random
+
+import pytest
+import torch
+from fairseq.data import LMContextWindowDataset, MonolingualDataset, TokenBlockDataset
+
+from fairseq_megatron.eval_lm import ContextWindowDataset
+from tests.helpers import make_dictionary, run_distributed
+
+CONTEXT = 7  # longer than a block, so a context spans several earlier blocks
+
+
+def monolingual(break_mode: str, tokens_per_sample: int):
+    dictionary = make_dictionary()
+    gen = torch.Generator().manual_seed(0)
+    lines = [torch.cat([torch.randint(4, len(dictionary), (int(n),), generator=gen), torch.tensor([dictionary.eos()])])
+             for n in torch.randint(1, 9, (20,), generator=gen)]
+    blocks = TokenBlockDataset(lines, [len(line) for line in lines], tokens_per_sample, pad=dictionary.pad(),
+                               eos=dictionary.eos(), break_mode=break_mode, include_targets=True)
+    dataset = MonolingualDataset(blocks, blocks.sizes, dictionary, dictionary, add_eos_for_other_targets=False,
+                                 shuffle=False, targets=["future"])
+    return dataset, dictionary.pad()
+
+
+def batches(dataset, batch_size):
+    return [list(range(i, min(i + batch_size, len(dataset)))) for i in range(0, len(dataset), batch_size)]
+
+
+def collate(dataset, indices):
+    return dataset.collater([dataset[i] for i in indices])
+
+
+def assert_same_batch(ours, theirs):
+    assert ours["id"].tolist() == theirs["id"].tolist()
+    assert ours["start_indices"] == theirs["start_indices"]
+    for key in ("src_tokens", "src_lengths"):
+        assert torch.equal(ours["net_input"][key], theirs["net_input"][key]), key
+    assert torch.equal(ours["target"], theirs["target"])
+    assert ours["ntokens"] == theirs["ntokens"]
+
+
+@pytest.mark.parametrize("break_mode", ["none", "eos"])
+def test_same_batches_as_fairseq_in_any_order(break_mode):
+    tokens_per_sample = 5
+    base, pad = monolingual(break_mode, tokens_per_sample)
+    plan = batches(base, batch_size=3)
+    assert len(plan) >= 5
+    fairseq_ctx = LMContextWindowDataset(base, tokens_per_sample, CONTEXT, pad)
+    in_order = [collate(fairseq_ctx, b) for b in plan]
+    assert max(s for batch in in_order for s in batch["start_indices"]) == CONTEXT  # full windows occur
+
+    ours = ContextWindowDataset(base, tokens_per_sample, CONTEXT, pad)
+    for batch, expected in zip(plan, in_order):
+        assert_same_batch(collate(ours, batch), expected)
+
+    # Shards and workers see every other batch, or batches out of order.
+    order = list(range(len(plan)))
+    random.Random(0).shuffle(order)
+    for shuffled_order in (order, order[::2] + order[1::2]):
+        fresh = ContextWindowDataset(base, tokens_per_sample, CONTEXT, pad)
+        for k in shuffled_order:
+            assert_same_batch(collate(fresh, plan[k]), in_order[k])
+
+    # Read backwards, every sample's context is rebuilt from the samples before it.
+    backwards = ContextWindowDataset(base, tokens_per_sample, CONTEXT, pad)
+    forwards = ContextWindowDataset(base, tokens_per_sample, CONTEXT, pad)
+    expected = [forwards[i]["context"] for i in range(len(base))]
+    for i in reversed(range(len(base))):
+        assert torch.equal(backwards[i]["context"], expected[i]), i
+
+    # fairseq's dataset carries its context from the batch it collated last:
+    # the same out-of-order reading gives different source tokens.
+    stale = LMContextWindowDataset(base, tokens_per_sample, CONTEXT, pad)
+    differs = [not torch.equal(collate(stale, plan[k])["net_input"]["src_tokens"], in_order[k]["net_input"]["src_tokens"])
+               for k in order]
+    assert any(differs)
+
+
+def test_empty_batch_collates_to_nothing():
+    """fairseq pads short shards with empty batches; eval-lm skips ``{}``
+    (fairseq's context dataset raised KeyError 'net_input' instead)."""
+    base, pad = monolingual("none", 5)
+    assert ContextWindowDataset(base, 5, CONTEXT, pad).collater([]) == {}
+    with pytest.raises(KeyError):
+        LMContextWindowDataset(base, 5, CONTEXT, pad).collater([])
+
+
+def test_context_window_must_be_positive():
+    base, pad = monolingual("none", 5)
+    with pytest.raises(ValueError, match="context_window must be positive"):
+        ContextWindowDataset(base, 5, 0, pad)
+
+
+# ---------------------------------------------------------------- summing groups
+
+def fake_hypos(dictionary, bpe_ids, gen):
+    """One batch of scorer output: 3 hypotheses of random tokens (some of
+    them BPE continuations) with random log-probabilities."""
+    hypos = []
+    for _ in range(3):
+        n = int(torch.randint(2, 9, (1,), generator=gen))
+        tokens = torch.randint(4, len(dictionary), (n,), generator=gen)
+        tokens[torch.rand(n, generator=gen) < 0.3] = bpe_ids[0]
+        scores = -5 * torch.rand(n, generator=gen)
+        hypos.append([{"tokens": tokens, "positional_scores": scores}])
+    return hypos
+
+
+@pytest.mark.parametrize("post_process,remove_bos_token", [(None, False), (None, True), ("@@ ", False)])
+def test_tally_reproduces_fairseqs_loss(monkeypatch, post_process, remove_bos_token):
+    """The sum and count the tally rebuilds from the scorer's hypotheses give
+    the loss fairseq's own ``eval_lm`` prints, under its BOS and BPE rules
+    (fed the same hypotheses through a stubbed scorer). Tolerance 1e-6
+    relative: fairseq sums in float32, the tally in float64."""
+    import math
+
+    import fairseq_cli.eval_lm as cli
+    from fairseq.sequence_scorer import SequenceScorer
+
+    from fairseq_megatron import eval_lm
+
+    dictionary = make_dictionary()
+    bpe_ids = [dictionary.add_symbol("ab@@"), dictionary.add_symbol("cd@@")]
+    gen = torch.Generator().manual_seed(0)
+    batches = [fake_hypos(dictionary, bpe_ids, gen) for _ in range(4)]
+    samples = [{"net_input": {}, "ntokens": 1, "id": torch.arange(3), "hypos": h} for h in batches]
+    monkeypatch.setattr(SequenceScorer, "generate", lambda self, models, sample: sample["hypos"])
+    assert cli.SequenceScorer is eval_lm.TallyingSequenceScorer  # installed by the plugin
+
+    tally = eval_lm._ScoreTally(dictionary, post_process, remove_bos_token)
+    monkeypatch.setattr(eval_lm, "_active_tally", tally)
+    if remove_bos_token:  # fairseq asserts the first token is BOS
+        for h in batches:
+            for hypo in h:
+                hypo[0]["tokens"][0] = dictionary.bos()
+    fairseq_eval_lm = getattr(cli.eval_lm, "__wrapped__", cli.eval_lm)
+    result = fairseq_eval_lm([torch.nn.Linear(1, 1)], dictionary, samples, post_process=post_process,
+                             target_dictionary=dictionary, remove_bos_token=remove_bos_token)
+    assert tally.count > 0 and tally.non_finite.item() == 0
+    tally_loss = -tally.log_prob_sum.item() / tally.count / math.log(2)
+    assert tally_loss == pytest.approx(float(result["loss"]), rel=1e-6)
+    if post_process:  # continuations were there to skip
+        all_tokens = sum(hypo[0]["tokens"].numel() for h in batches for hypo in h)
+        assert tally.count < all_tokens
+
+
+def _sum_worker(rank, world_size, log_prob_sums, counts, loss_offsets):
+    import math
+
+    from fairseq_megatron import eval_lm
+
+    tally = eval_lm._ScoreTally(make_dictionary(), None, False)
+    tally.log_prob_sum = torch.tensor(log_prob_sums[rank], dtype=torch.float64)
+    tally.non_finite = torch.zeros((), dtype=torch.float64)
+    tally.count = counts[rank]
+    own = -log_prob_sums[rank] / counts[rank] / math.log(2) + loss_offsets[rank]
+    return eval_lm._sum_over_group(tally, {"loss": own, "perplexity": 2 ** own}, None, torch.device("cpu"))["loss"]
+
+
+def test_groups_are_summed_or_left_alone(tmp_path):
+    """Two ranks (two data-parallel groups of one): the loss is that of all
+    tokens together; if one rank's tally does not reproduce its own loss,
+    every rank keeps its own. Exact arithmetic up to float64 rounding."""
+    import math
+
+    sums, counts = [-100.0, -50.0], [40, 10]
+    total = -(sums[0] + sums[1]) / (counts[0] + counts[1]) / math.log(2)
+    assert run_distributed(_sum_worker, 2, tmp_path / "a", sums, counts, [0.0, 0.0]) == pytest.approx([total] * 2)
+    own = [-s / c / math.log(2) for s, c in zip(sums, counts)]
+    mismatched = run_distributed(_sum_worker, 2, tmp_path / "b", sums, counts, [0.0, 0.01])
+    assert mismatched == pytest.approx([own[0], own[1] + 0.01])

@@ -34,8 +34,11 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    perplexity; :mod:`fairseq_megatron.eval_lm` fixes both.
 6. :func:`_model_parallel_generate` -- ``fairseq-generate`` never starts
    torch.distributed; with ``--model-parallel-size N`` it now does, and only
-   model-parallel rank 0 prints the hypotheses of fairseq-generate and
-   fairseq-interactive.
+   model-parallel rank 0 prints the hypotheses of fairseq-generate.
+   fairseq-interactive under torchrun read standard input in every process,
+   so the ranks split the lines between them and hung in their first
+   collective; now rank 0 reads and sends each buffer of lines to all ranks,
+   and only rank 0 prints.
 7. :func:`_data_parallel_only` -- with ``--model-parallel-size 1`` (the
    default) under a distributed launch, fairseq creates no model-parallel
    groups, so building our model failed ("model parallel group is not
@@ -296,7 +299,9 @@ def _model_parallel_generate() -> None:
 
     def wrap_interactive(original_main, module):
         def main(cfg, **kwargs):
-            if _not_model_parallel_rank_0():
+            # Every rank reads the same input (see _read_on_rank_0), so every
+            # model-parallel group computes the same hypotheses: rank 0 prints.
+            if dist.is_initialized() and dist.get_rank() != 0:
                 with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
                     return original_main(cfg, **kwargs)
             return original_main(cfg, **kwargs)
@@ -305,6 +310,36 @@ def _model_parallel_generate() -> None:
 
     _patch_cli_main("fairseq_cli.generate", wrap_generate)
     _patch_cli_main("fairseq_cli.interactive", wrap_interactive)
+    for module in _cli_modules("fairseq_cli.interactive"):
+        module.buffered_read = _read_on_rank_0(module.buffered_read)
+
+
+def _read_on_rank_0(buffered_read):
+    """Wrap fairseq-interactive's ``buffered_read(input, buffer_size)`` (a
+    generator of lists of lines) so that under torch.distributed only global
+    rank 0 reads ``input`` (a file or standard input) and broadcasts each
+    list; the others receive the same lists, then ``None`` at the end. The
+    broadcasts go over a gloo group of their own with a week's timeout: rank
+    0 may wait for a person to type, and the default group would time out."""
+    import datetime
+
+    import torch.distributed as dist
+
+    @functools.wraps(buffered_read)
+    def read(input, buffer_size):
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            yield from buffered_read(input, buffer_size)
+            return
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
+        lines = buffered_read(input, buffer_size) if dist.get_rank() == 0 else None
+        while True:
+            box = [next(lines, None) if lines is not None else None]
+            dist.broadcast_object_list(box, src=0, group=group)
+            if box[0] is None:
+                return
+            yield box[0]
+
+    return read
 
 
 def _data_parallel_only() -> None:

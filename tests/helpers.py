@@ -134,13 +134,15 @@ def init_model_parallel(model_parallel_size: int, seed: int = 0):
 ENV = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
 
 
-def fairseq(tool, args, nproc=None, check=True, timeout=300):
-    """Run ``fairseq_cli.<tool>`` (under torchrun with ``nproc`` processes); return (rc, output)."""
+def fairseq(tool, args, nproc=None, check=True, timeout=300, stdin=None):
+    """Run ``fairseq_cli.<tool>`` (under torchrun with ``nproc`` processes,
+    ``stdin`` as its standard input); return (rc, output)."""
     cmd = [sys.executable]
     if nproc:
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     cmd += ["-m", f"fairseq_cli.{tool}"] + args
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, timeout=timeout)
+    proc = subprocess.run(cmd, input=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+                          timeout=timeout)
     if check:
         assert proc.returncode == 0, proc.stdout[-4000:]
     return proc.returncode, proc.stdout

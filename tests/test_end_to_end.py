@@ -164,15 +164,18 @@ def test_fairseq_generate_at_size_2(trained):
         assert set(mp2) == set(mp1)  # every sample once, printed by model-parallel rank 0 only
 
 
-def test_fairseq_interactive_at_size_2(trained):
-    prompts = trained["root"] / "prompts.txt"
-    prompts.write_text("the function\nreturn a\n")
+def test_fairseq_interactive_reads_standard_input_at_world_size_4(trained):
+    """Prompts piped into torchrun at model-parallel size 2 in a world of 4:
+    each prompt answered and printed once. Upstream every rank read standard
+    input, the ranks split the lines and the run hung in a collective."""
     args = [trained["data"], "--user-dir", USER_DIR, "--cpu", "--task", "language_modeling",
             "--path", os.path.join(trained["ckpt"], "checkpoint_last.pt"), "--model-parallel-size", "2",
-            "--input", str(prompts), "--beam", "1", "--max-len-b", "8"]
-    hyps = hypotheses(fairseq("interactive", args, nproc=2)[1])
-    assert sorted(hyps) == ["H-0", "H-1"]  # once per prompt, not once per rank
-    assert hyps["H-0"].startswith("the function") and hyps["H-1"].startswith("return a")
+            "--beam", "1", "--max-len-b", "8"]
+    _, out = fairseq("interactive", args, nproc=4, stdin="the function\nreturn a\nis the\n", timeout=180)
+    assert all(f"as rank {r}" in out for r in range(4)) and "as rank 4" not in out  # fairseq's per-rank line
+    hyps = hypotheses(out)
+    assert sorted(hyps) == ["H-0", "H-1", "H-2"]  # once per prompt, not once per rank or group
+    assert [hyps[f"H-{i}"].split()[:2] for i in range(3)] == [["the", "function"], ["return", "a"], ["is", "the"]]
 
 
 HUB_SCRIPT = """

@@ -253,30 +253,33 @@ def test_gradient_norm_and_clipping_match_size_1(trained):
     assert min(_per_update(logs[1], "gnorm")) > 0.5, "the updates were not clipped"
 
 
-def test_data_parallel_training_at_model_parallel_size_1(trained):
-    """Pure data parallelism (2 processes, ``--model-parallel-size 1``, the
-    default) trains our arch, and each update equals one process
-    accumulating the same two batches (``--update-freq 2``): fairseq deals
-    the shuffled batches round-robin to the ranks, so rank r of update k gets
-    batch 2k + r. Before the plugin gave every rank a model-parallel group of
-    one, building the model failed ("model parallel group is not
-    initialized"), and fairseq's DDP refused a CPU module. Dropout is off;
-    tolerance: one unit of the 3 printed decimals (fp32 summation order)."""
+@pytest.mark.parametrize("model_parallel_size", [1, 2])
+def test_two_data_parallel_groups_equal_one_with_update_freq_2(trained, model_parallel_size):
+    """Two data-parallel groups (2 processes at model-parallel size 1, the
+    default; 4 at size 2) log the same loss and ``gnorm`` per update as one
+    group accumulating the same two batches (``--update-freq 2``): fairseq
+    deals the shuffled batches round-robin to the data-parallel ranks, so
+    group g of update k gets batch 2k + g. At size 1 building our model
+    failed before the plugin gave every rank a model-parallel group of one
+    ("model parallel group is not initialized"), and fairseq's DDP refused a
+    CPU module. Dropout is off; tolerance: one unit of the 3 printed
+    decimals (fp32 summation order)."""
     logs = {}
-    for nproc in (1, 2):
-        args = train_args(trained["data"], str(trained["root"] / f"dp{nproc}"), max_update=3)
-        args[args.index("--model-parallel-size") + 1] = "1"
+    for groups in (1, 2):
+        nproc = groups * model_parallel_size
+        args = train_args(trained["data"], str(trained["root"] / f"dp{groups}-mp{model_parallel_size}"), max_update=3)
+        args[args.index("--model-parallel-size") + 1] = str(model_parallel_size)
         args += ["--dropout", "0", "--attention-dropout", "0", "--no-save"]
-        if nproc == 1:
+        if groups == 1:
             args += ["--update-freq", "2"]
-        _, logs[nproc] = fairseq("train", args, nproc=2 if nproc == 2 else None)
-        assert f"training on {nproc} devices" in logs[nproc], logs[nproc][-2000:]
+        _, logs[groups] = fairseq("train", args, nproc=nproc if nproc > 1 else None)
+        assert f"training on {nproc} devices" in logs[groups], logs[groups][-2000:]
     for key in ("loss", "gnorm", "bsz"):
         one, two = _per_update(logs[1], key), _per_update(logs[2], key)
         assert len(one) == len(two) == 3, (key, one, two)
         for a, b in zip(one, two):
             assert abs(a - b) <= 1.1e-3, (key, one, two)
-    assert _per_update(logs[2], "bsz") == [8.0] * 3  # 4 sequences on each of the 2 ranks
+    assert _per_update(logs[2], "bsz") == [8.0] * 3  # 4 sequences in each of the 2 groups
 
 
 def test_eval_lm_over_two_data_parallel_groups(trained, tmp_path):

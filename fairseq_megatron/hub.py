@@ -74,8 +74,8 @@ def from_pretrained(
     init_distributed_from_env()
     world = dist.get_world_size() if dist.is_initialized() else 1
     size = model_parallel_size or world
-    if size > 1 and not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(size)
+    if world > 1 and not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(size)  # size 1: each rank a whole model
     if size > 1:
         model_parallel_manual_seed(seed)
     suffix = f"-model_part-{parallel_state.get_tensor_model_parallel_rank()}" if size > 1 else ""

@@ -205,11 +205,17 @@ def test_whole_pipeline_end_to_end(gpt2_files, small_megatron, tmp_path, capsys)
     assert renormalized == pytest.approx(renormalize_ppl.renormalized_ppl(ppl, expected_new, 3 * ORIG_TOKENS), abs=0.01)
     assert 1 < ppl < 700  # a trained model over a ~600-symbol vocabulary
 
-    # second run: every step's output exists and is reused
-    assert eval_wikitext103.main(_args(gpt2_files, small_megatron, work)) == 0
+    # Second run, on 4 processes (two data-parallel groups at model-parallel
+    # size 2): every step's output exists and is reused, and the groups'
+    # scores are summed into the same perplexity over the same token counts
+    # (printed with 2 decimals; fp32 summation order differs by ~1e-6).
+    assert eval_wikitext103.main(_args(gpt2_files, small_megatron, work, **{"--gpus": 4})) == 0
     again = capsys.readouterr().out
     assert again.count("exists, skipped") == 3
-    assert again.splitlines()[-2:] == out.splitlines()[-2:]
+    assert "2 data-parallel group(s)" in again
+    assert f"over {expected_new:,} BPE tokens" in again
+    for key in ("unnormalized perplexity ", "renormalized perplexity "):
+        assert float(again.split(key)[1].split()[0]) == pytest.approx(float(out.split(key)[1].split()[0]), abs=0.011)
 
 
 def test_bad_inputs_give_one_error_line(gpt2_files, small_megatron, tmp_path, capsys):
@@ -223,6 +229,9 @@ def test_bad_inputs_give_one_error_line(gpt2_files, small_megatron, tmp_path, ca
 
     rc, err = run(**{"--model-parallel-size": 4})
     assert rc == 1 and "has 2 model part file(s) but --model-parallel-size is 4" in err
+
+    rc, err = run(**{"--gpus": 3})
+    assert rc == 1 and err == "error: --gpus 3 is not a multiple of --model-parallel-size 2"
 
     bad = tmp_path / "bad_dict"
     shutil.copytree(small_megatron["folder"], bad)

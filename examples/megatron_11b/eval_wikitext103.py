@@ -12,7 +12,9 @@ is complete; ``--force`` redoes them):
   2. GPT-2 BPE (empty lines dropped)                    -> ``<work>/wiki.<split>.bpe``
   3. binarize with the checkpoint's ``dict.txt``        -> ``<work>/bin/<split>.{bin,idx}``
   4. ``fairseq-eval-lm --path <checkpoint-dir>/model.pt --context-window 992``
-     (torchrun with one process per model part when the size is > 1)
+     (torchrun with ``--gpus`` processes, by default one per model part; more
+     form data-parallel groups that split the set, and the plugin sums their
+     scores into one perplexity)
 and prints the unnormalized perplexity over BPE tokens, the renormalized one
 over the original tokens and both token counts (see renormalize_ppl.py).
 """
@@ -40,8 +42,8 @@ def check_inputs(args) -> dict:
 
     Raises:
         InputError: a missing file, part files that do not match
-            ``--model-parallel-size``, or a dict.txt whose size does not match
-            the checkpoint's embedding.
+            ``--model-parallel-size``, ``--gpus`` not a multiple of it, or a
+            dict.txt whose size does not match the checkpoint's embedding.
     """
     import torch
 
@@ -56,6 +58,8 @@ def check_inputs(args) -> dict:
                        ("encoder-json", args.encoder_json), ("vocab-bpe", args.vocab_bpe)):
         if not os.path.isfile(path):
             raise InputError(f"missing {name} file: {path}")
+    if args.gpus < 1 or args.gpus % args.model_parallel_size:
+        raise InputError(f"--gpus {args.gpus} is not a multiple of --model-parallel-size {args.model_parallel_size}")
     try:
         parts = find_part_files(paths["checkpoint"])
     except FileNotFoundError as e:
@@ -101,8 +105,8 @@ def eval_lm_command(args, data: str, checkpoint: str):
     from fairseq_megatron import USER_DIR
 
     cmd = [sys.executable]
-    if args.model_parallel_size > 1:
-        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.model_parallel_size)]
+    if args.gpus > 1:
+        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.gpus)]
     cmd += ["-m", "fairseq_cli.eval_lm", data, "--user-dir", USER_DIR, "--path", checkpoint,
             "--task", "language_modeling", "--gen-subset", args.split, "--batch-size", str(args.batch_size),
             "--tokens-per-sample", str(args.tokens_per_sample), "--context-window", str(args.context_window),
@@ -119,6 +123,8 @@ def main(argv=None) -> int:
     p.add_argument("--vocab-bpe", required=True)
     p.add_argument("--split", choices=["test", "valid"], default="test")
     p.add_argument("--model-parallel-size", type=int, default=8)
+    p.add_argument("--gpus", type=int, help="processes for eval-lm, a multiple of --model-parallel-size "
+                   "(each group of that many scores its share of the set); default: the model-parallel size")
     p.add_argument("--work-dir", default="wikitext103_work")
     p.add_argument("--context-window", type=int, default=992)
     p.add_argument("--tokens-per-sample", type=int, default=1024)
@@ -128,6 +134,7 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--force", action="store_true", help="redo steps whose outputs exist")
     args = p.parse_args(argv)
+    args.gpus = args.gpus or args.model_parallel_size
 
     try:
         paths = check_inputs(args)
@@ -160,7 +167,9 @@ def main(argv=None) -> int:
         else:
             print(f"[3/4] binarize: {bin_dir}/{args.split}.bin exists, skipped", flush=True)
 
-        print(f"[4/4] fairseq-eval-lm, model-parallel size {args.model_parallel_size}", flush=True)
+        groups = args.gpus // args.model_parallel_size
+        print(f"[4/4] fairseq-eval-lm, model-parallel size {args.model_parallel_size}, {groups} "
+              f"data-parallel group(s)", flush=True)
         proc = subprocess.run(eval_lm_command(args, bin_dir, paths["checkpoint"]), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
         with open(os.path.join(args.work_dir, f"eval_lm.{args.split}.log"), "w") as f:

@@ -56,10 +56,15 @@ count_orig_tokens = count_bpe_tokens = count_tokens_with_eos
 
 
 _EVAL = re.compile(r"Evaluated ([0-9,]+) tokens.*?Loss \(base 2\): ([0-9.]+), Perplexity: ([0-9.]+)", re.S)
+_ALL_GROUPS = re.compile(r"data-parallel groups scored ([0-9,]+) tokens together")
 
 
 def parse_eval_lm_log(text: str):
     """(tokens evaluated, base-2 loss, perplexity) from fairseq-eval-lm's output.
+
+    With several data-parallel groups, "Evaluated N tokens" counts rank 0's
+    share only; the token count is then the one fairseq_megatron logs for
+    all groups together (the loss and perplexity are already over all).
 
     Raises:
         ValueError: the log has no result.
@@ -68,6 +73,9 @@ def parse_eval_lm_log(text: str):
     if not found:
         raise ValueError("no 'Evaluated N tokens ... Loss (base 2): L, Perplexity: P' in the eval-lm log")
     tokens, loss, ppl = found[-1]
+    all_groups = _ALL_GROUPS.findall(text)
+    if all_groups:
+        tokens = all_groups[-1]
     return int(tokens.replace(",", "")), float(loss), float(ppl)
 
 

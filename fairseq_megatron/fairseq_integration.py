@@ -31,7 +31,7 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    once, by a whole group. fairseq-eval-lm's ``--context-window`` dataset
    crashed on uneven shards and gave wrong contexts once batches were split
    over shards or workers, and each group printed its own shard's
-   perplexity; :mod:`fairseq_megatron.eval_lm` fixes both.
+   perplexity; :mod:`fairseq_megatron.eval_lm` fixes the three.
 6. :func:`_model_parallel_generate` -- ``fairseq-generate`` never starts
    torch.distributed; with ``--model-parallel-size N`` it now does, and only
    model-parallel rank 0 prints the hypotheses of fairseq-generate.

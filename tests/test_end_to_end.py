@@ -181,7 +181,7 @@ def test_fairseq_interactive_reads_standard_input_at_world_size_4(trained):
 HUB_SCRIPT = """
 import sys, torch
 from fairseq_megatron.hub import from_pretrained
-lm = from_pretrained(sys.argv[1], data=sys.argv[2], cpu=True)
+lm = from_pretrained(sys.argv[1], data=sys.argv[2], cpu=True, model_parallel_size=int(sys.argv[4]))
 rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 prompt = "return the"
@@ -192,16 +192,22 @@ with open(f"{sys.argv[3]}/rank{rank}.txt", "w") as f:  # one file per rank: stdo
 """
 
 
-def test_hub_interface_at_size_2(trained):
+@pytest.mark.parametrize("model_parallel_size", [2, 1])
+def test_hub_interface_in_a_world_of_2(trained, tmp_path, model_parallel_size):
+    """Two processes under torchrun: one model in two parts, or (size 1) a
+    whole model on each rank, which failed to build before the plugin gave
+    each rank a model-parallel group of one."""
     path = os.path.join(trained["ckpt"], "checkpoint_last.pt")
-    script = str(trained["root"] / "hub_script.py")
-    out_dir = trained["root"] / "hub_out"
+    if model_parallel_size == 1:
+        path = reshard(path, str(tmp_path / "merged" / "model.pt"), 1)[0]
+    script = str(tmp_path / "hub_script.py")
+    out_dir = tmp_path / "hub_out"
     out_dir.mkdir()
     with open(script, "w") as f:
         f.write(HUB_SCRIPT)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           script, path, trained["data"], str(out_dir)], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, env=ENV, timeout=300)
+                           script, path, trained["data"], str(out_dir), str(model_parallel_size)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:]
     rank0 = (out_dir / "rank0.txt").read_text().splitlines()
     rank1 = (out_dir / "rank1.txt").read_text().splitlines()

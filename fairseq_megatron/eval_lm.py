@@ -149,18 +149,16 @@ _sharded_over = None
 
 
 def _data_parallel_group_of(num_shards: int, shard_id: int):
-    """The process group whose ranks hold shards ``0 .. num_shards - 1``
-    (this rank: ``shard_id``), or None when the shards are not split over
-    running processes (one process, or ``--num-shards`` chosen by hand)."""
-    if num_shards <= 1 or not dist.is_available() or not dist.is_initialized():
+    """The data-parallel group when its ranks hold shards ``0 .. num_shards - 1``
+    (this rank: ``shard_id``), else None: one process, or ``--num-shards``
+    chosen by hand. (Under torch.distributed the groups always exist:
+    fairseq_integration creates them at model-parallel size 1 too.)"""
+    if num_shards <= 1 or not parallel_state.model_parallel_is_initialized():
         return None
-    if parallel_state.model_parallel_is_initialized():
-        group = parallel_state.get_data_parallel_group()
-    else:
-        group = dist.group.WORLD
-    if (num_shards, shard_id) != (dist.get_world_size(group), dist.get_rank(group)):
+    if (num_shards, shard_id) != (parallel_state.get_data_parallel_world_size(),
+                                  parallel_state.get_data_parallel_rank()):
         return None
-    return group
+    return parallel_state.get_data_parallel_group()
 
 
 def eval_lm_dataloader(
@@ -214,14 +212,15 @@ class _ScoreTally:
     with ``--post-process``. Non-finite scores (which fairseq drops after
     that move) are only counted here, and stop the sum over groups."""
 
-    def __init__(self, dictionary, post_process: Optional[str], remove_bos_token: bool):
+    def __init__(self, dictionary, post_process: Optional[str], remove_bos_token: bool, device: torch.device):
         self.remove_bos_token = remove_bos_token
         self.bpe_tokens = None
         if post_process in {"subword_nmt", "@@ "}:  # eval_lm raises for any other
             suffix = post_process.rstrip()
             self.bpe_tokens = {i for i in range(len(dictionary)) if dictionary[i].endswith(suffix)}
-        self.log_prob_sum = None  # float64, on the scores' device: no host sync per batch
-        self.non_finite = None
+        # float64 on the scores' device: no host sync per batch
+        self.log_prob_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.non_finite = torch.zeros((), dtype=torch.float64, device=device)
         self.count = 0
 
     def add(self, hypos) -> None:
@@ -229,9 +228,6 @@ class _ScoreTally:
             tokens, scores = hypos_i[0]["tokens"], hypos_i[0]["positional_scores"].float()
             if self.remove_bos_token:
                 tokens, scores = tokens[1:], scores[1:]
-            if self.log_prob_sum is None:
-                self.log_prob_sum = scores.new_zeros((), dtype=torch.float64)
-                self.non_finite = scores.new_zeros((), dtype=torch.float64)
             self.log_prob_sum += scores.sum(dtype=torch.float64)
             self.non_finite += (~torch.isfinite(scores)).sum()
             skipped = 0
@@ -277,28 +273,26 @@ def eval_lm_over_data_parallel_groups(original_eval_lm):
             source_dictionary,  # eval_lm finds the BPE continuations in it
             kwargs.get("post_process"),
             kwargs.get("remove_bos_token", False),
+            device=next(models[0].parameters()).device,
         )
         _active_tally = tally
         try:
             results = original_eval_lm(models, source_dictionary, batch_iterator, *args, **kwargs)
         finally:
             _active_tally = None
-        return _sum_over_group(tally, results, group, next(models[0].parameters()).device)
+        return _sum_over_group(tally, results, group)
 
     return eval_lm
 
 
-def _sum_over_group(tally: _ScoreTally, results: Dict, group, device) -> Dict:
+def _sum_over_group(tally: _ScoreTally, results: Dict, group) -> Dict:
     own_loss = float(results["loss"])
-    log_prob_sum = tally.log_prob_sum if tally.log_prob_sum is not None else torch.zeros((), dtype=torch.float64)
-    non_finite = tally.non_finite if tally.non_finite is not None else torch.zeros((), dtype=torch.float64)
-    log_prob_sum, non_finite = log_prob_sum.to(device), non_finite.to(device)
-    tally_loss = -log_prob_sum.item() / tally.count / math.log(2) if tally.count else 0.0
+    tally_loss = -tally.log_prob_sum.item() / tally.count / math.log(2) if tally.count else 0.0
     mismatch = abs(tally_loss - own_loss) > 1e-4 * max(abs(own_loss), 1e-8)
     totals = torch.stack([
-        log_prob_sum,
-        torch.tensor(float(tally.count), dtype=torch.float64, device=device),
-        non_finite + float(mismatch),
+        tally.log_prob_sum,
+        torch.full_like(tally.log_prob_sum, float(tally.count)),
+        tally.non_finite + float(mismatch),
     ])
     dist.all_reduce(totals, group=group)
     total_log_prob, total_count, problems = totals.tolist()

@@ -136,7 +136,7 @@ def test_tally_reproduces_fairseqs_loss(monkeypatch, post_process, remove_bos_to
     monkeypatch.setattr(SequenceScorer, "generate", lambda self, models, sample: sample["hypos"])
     assert cli.SequenceScorer is eval_lm.TallyingSequenceScorer  # installed by the plugin
 
-    tally = eval_lm._ScoreTally(dictionary, post_process, remove_bos_token)
+    tally = eval_lm._ScoreTally(dictionary, post_process, remove_bos_token, torch.device("cpu"))
     monkeypatch.setattr(eval_lm, "_active_tally", tally)
     if remove_bos_token:  # fairseq asserts the first token is BOS
         for h in batches:
@@ -158,12 +158,11 @@ def _sum_worker(rank, world_size, log_prob_sums, counts, loss_offsets):
 
     from fairseq_megatron import eval_lm
 
-    tally = eval_lm._ScoreTally(make_dictionary(), None, False)
-    tally.log_prob_sum = torch.tensor(log_prob_sums[rank], dtype=torch.float64)
-    tally.non_finite = torch.zeros((), dtype=torch.float64)
+    tally = eval_lm._ScoreTally(make_dictionary(), None, False, torch.device("cpu"))
+    tally.log_prob_sum += log_prob_sums[rank]
     tally.count = counts[rank]
     own = -log_prob_sums[rank] / counts[rank] / math.log(2) + loss_offsets[rank]
-    return eval_lm._sum_over_group(tally, {"loss": own, "perplexity": 2 ** own}, None, torch.device("cpu"))["loss"]
+    return eval_lm._sum_over_group(tally, {"loss": own, "perplexity": 2 ** own}, None)["loss"]
 
 
 def test_groups_are_summed_or_left_alone(tmp_path):

@@ -15,7 +15,10 @@ default, and prints:
   the way ``../shared/gpu/fairseq_baseline.sh`` measures the baseline
   (``FAIRSEQ_MEGATRON_PROFILE=table.txt`` also writes a torch.profiler
   kernel table of five steps per implementation, ``table-megatron.txt``
-  and ``table-fairseq.txt``);
+  and ``table-fairseq.txt``, each headed by :func:`gpu_busy_summary`, plus a
+  Chrome trace ``table-megatron.trace.json``; ``FAIRSEQ_MEGATRON_PROFILE_STACKS=1``
+  adds Python stacks to it, which finds the source of each device wait but
+  slows the host several times, so the busy share then means little);
 - model TFLOP/s: tokens/s x (6 x params + 12 x layers x hidden x seq_len),
   the usual model-FLOPs count (Narayanan et al. 2021, appendix; no
   recomputation counted), with params computed from the shape;
@@ -238,7 +241,8 @@ def _profile_steps(path: str, first: int = 30, count: int = 5) -> None:
     def train_step(self, *a, **k):
         seen[0] += 1
         if seen[0] == first:
-            prof.append(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+            stacks = bool(os.environ.get("FAIRSEQ_MEGATRON_PROFILE_STACKS"))
+            prof.append(torch.profiler.profile(with_stack=stacks, activities=[torch.profiler.ProfilerActivity.CPU,
                                                            torch.profiler.ProfilerActivity.CUDA]))
             prof[0].__enter__()
         out = original(self, *a, **k)
@@ -247,10 +251,47 @@ def _profile_steps(path: str, first: int = 30, count: int = 5) -> None:
             prof[0].__exit__(None, None, None)
             if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
                 with open(path, "w") as f:
+                    f.write(json.dumps(gpu_busy_summary(prof[0], count)) + "\n\n")
                     f.write(prof[0].key_averages().table(sort_by="self_device_time_total", row_limit=70))
+                    f.write("\n\nby host time\n")
+                    f.write(prof[0].key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+                prof[0].export_chrome_trace(os.path.splitext(path)[0] + ".trace.json")
         return out
 
     Trainer.train_step = train_step
+
+
+def gpu_busy_summary(prof, steps: int) -> dict:
+    """How much of the profiled window the GPU spent running kernels.
+
+    ``busy_share``: the union of all device-activity intervals divided by
+    the span from the first to the last (1.0 = never idle); ``host_waits``:
+    per step, how often the host called something that waits for the device
+    (stream/device synchronize, a device-to-host copy, ``.item()``)."""
+    import torch
+
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA
+                       and not getattr(e, "is_user_annotation", False))  # record_function spans
+    busy, start, end = 0, None, None
+    for s, e in intervals:
+        if end is None or s > end:
+            busy += 0 if end is None else end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += 0 if end is None else end - start
+    span = intervals[-1][1] - intervals[0][0] if intervals else 0
+    waits = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and any(
+                k in e.name for k in ("Synchronize", "_local_scalar_dense", "cudaMemcpy")):
+            waits[e.name] = waits.get(e.name, 0) + 1
+    return {"steps": steps, "span_ms_per_step": round(span / 1e3 / steps, 2),
+            "busy_ms_per_step": round(busy / 1e3 / steps, 2),
+            "busy_share": round(busy / span, 3) if span else None,
+            "device_events_per_step": round(len(intervals) / steps),
+            "host_waits_per_step": {k: v / steps for k, v in sorted(waits.items())}}
 
 
 def parse_log(output: str):

@@ -84,3 +84,27 @@ def test_parameter_formula_matches_the_anchor_model():
     model = namespace["GPT"](shape["layers"], shape["hidden"], shape["heads"], shape["ffn"], T=shape["seq_len"])
     anchor_count = sum(p.numel() for p in model.parameters()) - model.pos.numel()
     assert benchmark.count_params(shape, benchmark.ANCHOR_VOCAB) == anchor_count
+
+
+def test_gpu_busy_summary_counts_overlapping_kernels_once():
+    """Device intervals (0, 10), (5, 15), (20, 30) µs: busy 25 of a 30 µs
+    span; a record_function span over the whole window is not a kernel."""
+    import types
+
+    import torch
+
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import benchmark
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(start, end, device, name="kernel", annotation=False):
+        return types.SimpleNamespace(time_range=types.SimpleNamespace(start=start, end=end), device_type=device,
+                                     name=name, is_user_annotation=annotation)
+
+    events = [event(0, 10, cuda), event(5, 15, cuda), event(20, 30, cuda), event(0, 30, cuda, "forward", True),
+              event(12, 13, cpu, "cudaStreamSynchronize"), event(14, 15, cpu, "aten::add")]
+    summary = benchmark.gpu_busy_summary(types.SimpleNamespace(events=lambda: events), steps=1)
+    assert summary["busy_share"] == round(25 / 30, 3)
+    assert summary["device_events_per_step"] == 3
+    assert summary["host_waits_per_step"] == {"cudaStreamSynchronize": 1.0}

@@ -171,6 +171,38 @@ def test_compiled_layers_match_eager():
     assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
 
 
+def test_compiled_layer_stack_matches_eager():
+    """At model-parallel size 1 ``--compile-layers`` compiles all layers as one
+    region (:meth:`ModelParallelTransformerDecoder.compile_run_layers`): the
+    same 1e-5 agreement with the eager model as per-layer compilation, and
+    the stack is one graph (a break would show as more)."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    results = []
+    for compiled in (False, True):
+        model, dictionary = build_model(1, seed=0, decoder_layers=3)
+        if compiled:
+            model.decoder.compile_run_layers(backend="aot_eager")
+        results.append(_training_pass(model, dictionary))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+    for name, g in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], g, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_compile_layers_picks_the_stack_or_each_layer():
+    """The whole stack at size 1; each layer under --checkpoint-activations
+    (whose recompute replays RNG states outside any graph)."""
+    stack, _ = build_model(1, compile_layers=True)
+    assert stack.decoder.compile_layer_stack and stack.decoder._compiled_layer_stack is not None
+    assert all("forward" not in vars(layer) for layer in stack.decoder.layers)
+    per_layer, _ = build_model(1, compile_layers=True, checkpoint_activations=True)
+    assert not per_layer.decoder.compile_layer_stack and per_layer.decoder._compiled_layer_stack is None
+    assert all("forward" in vars(layer) for layer in per_layer.decoder.layers)
+
+
 def test_attention_without_dropout_keeps_the_compiled_layer_one_graph():
     """Once the tracker is seeded (every run at model-parallel size > 1), each
     swap of the default generator is a graph break under ``--compile-layers``.

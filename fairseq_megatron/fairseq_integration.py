@@ -50,14 +50,26 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    kernel (torch's fused AdamW) when apex is absent, and that kernel also
    applies fairseq's gradient multiply and clipping; see
    :mod:`fairseq_megatron.fused_adam`.
+9. :func:`_step_log_without_device_wait` -- after every optimizer step the
+   trainer's ``_reduce_and_log_stats`` waited for the GPU twice: it tested
+   the gradient norm for finiteness (train_step had tested it before the
+   step) and rounded the step's loss into a dictionary that
+   ``fairseq-train`` only compares with None. The host then sat idle until
+   the optimizer's kernels finished, and the GPU sat idle while the host
+   prepared the next batch. The same meters are logged; the dictionary is
+   rounded when first read.
 """
 
+import collections.abc
 import functools
+import logging
 import os
 import sys
 import types
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _INSTALLED = False
 _TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
@@ -76,6 +88,7 @@ def install() -> None:
     _model_parallel_generate()
     _data_parallel_only()
     _fused_adam_without_apex()
+    _step_log_without_device_wait()
     _INSTALLED = True
 
 
@@ -367,3 +380,63 @@ def _fused_adam_without_apex() -> None:
 
     fairseq.optim.adam.get_fused_adam_class = fused_adam_class(fairseq.optim.adam.get_fused_adam_class)
     route_to_fused(fairseq.optim.adam.FairseqAdam)
+
+
+class _SmoothedValuesOnRead(collections.abc.Mapping):
+    """The dictionary ``Trainer._reduce_and_log_stats`` returns (one step's
+    smoothed meter values and ``sample_size``, without ppl, wps, wpb and bsz),
+    computed when first read instead of right away: rounding reads the loss
+    from the GPU. The step's meters receive nothing after it returns."""
+
+    def __init__(self, aggregator, sample_size):
+        self._aggregator, self._sample_size, self._values = aggregator, sample_size, None
+
+    def _computed(self) -> dict:
+        if self._values is None:
+            values = self._aggregator.get_smoothed_values()
+            values["sample_size"] = self._sample_size
+            for key in ("ppl", "wps", "wpb", "bsz"):
+                values.pop(key, None)
+            self._values, self._aggregator = values, None
+        return self._values
+
+    def __getitem__(self, key):
+        return self._computed()[key]
+
+    def __iter__(self):
+        return iter(self._computed())
+
+    def __len__(self):
+        return len(self._computed())
+
+
+def _step_log_without_device_wait() -> None:
+    from fairseq.logging import metrics
+    from fairseq.trainer import Trainer
+
+    original = Trainer._reduce_and_log_stats
+
+    @functools.wraps(original)
+    def reduce_and_log_stats(self, logging_outputs, sample_size, grad_norm=None):
+        if self.tpu or not torch.is_tensor(grad_norm):  # validation passes no norm
+            return original(self, logging_outputs, sample_size, grad_norm)
+        # fairseq's body without its two waits. train_step calls this with a
+        # norm it found finite (after an fp16 overflow it does not call it).
+        metrics.log_speed("ups", 1.0, priority=100, round=2)
+        metrics.log_scalar("gnorm", grad_norm, priority=400, round=3)
+        clip_norm = self.cfg.optimization.clip_norm
+        if clip_norm > 0:
+            clipped = torch.where(grad_norm > clip_norm, grad_norm.new_tensor(100), grad_norm.new_tensor(0))
+            metrics.log_scalar("clip", clipped, priority=500, round=1)
+        with metrics.aggregate() as aggregator:
+            if logging_outputs is not None:
+                self.task.reduce_metrics(logging_outputs, self.get_criterion())
+            if "loss" not in aggregator:
+                if "loss" not in self._warn_once:
+                    self._warn_once.add("loss")
+                    logger.warning("Criterion.reduce_metrics did not log a 'loss' value, "
+                                   "which may break some functionality")
+                metrics.log_scalar("loss", -1)
+        return _SmoothedValuesOnRead(aggregator, sample_size)
+
+    Trainer._reduce_and_log_stats = reduce_and_log_stats

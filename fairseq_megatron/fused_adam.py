@@ -73,7 +73,10 @@ class FusedAdamW(torch.optim.AdamW):
         divisor = scale / self._grad_factor
         if torch.is_tensor(divisor) or divisor != 1.0:
             device = self.param_groups[0]["params"][0].device
-            self.grad_scale = torch.as_tensor(divisor, dtype=torch.float32, device=device).reshape(())
+            if torch.is_tensor(divisor):
+                self.grad_scale = divisor.to(device=device, dtype=torch.float32).reshape(())
+            else:  # filled on the device: no host-to-device copy, which would wait for the GPU
+                self.grad_scale = torch.full((), divisor, dtype=torch.float32, device=device)
         try:
             return super().step(closure)
         finally:

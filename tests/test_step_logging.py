@@ -1,0 +1,60 @@
+"""The trainer's per-step statistics without waiting for the device
+(fairseq_integration step 9) log what fairseq's own ``_reduce_and_log_stats``
+logs and return the same dictionary."""
+
+import types
+
+import pytest
+import torch
+from fairseq.criterions.cross_entropy import CrossEntropyCriterion
+from fairseq.logging import metrics
+from fairseq.trainer import Trainer
+
+import fairseq_megatron  # noqa: F401  (installs the integration)
+
+
+def _fake_trainer(clip_norm: float):
+    """What ``_reduce_and_log_stats`` touches on a Trainer."""
+    task = types.SimpleNamespace(reduce_metrics=lambda outputs, criterion: CrossEntropyCriterion.reduce_metrics(outputs))
+    return types.SimpleNamespace(
+        tpu=False, _warn_once=set(), task=task, get_criterion=lambda: None,
+        cfg=types.SimpleNamespace(optimization=types.SimpleNamespace(clip_norm=clip_norm)),
+    )
+
+
+def _one_step(reduce_and_log_stats, clip_norm: float):
+    trainer = _fake_trainer(clip_norm)
+    logging_outputs = [
+        {"loss": torch.tensor(20.5), "ntokens": 8, "nsentences": 2, "sample_size": 8},
+        {"loss": torch.tensor(11.25), "ntokens": 4, "nsentences": 1, "sample_size": 4},
+    ]
+    with metrics.aggregate(new_root=True) as step_meters:
+        returned = reduce_and_log_stats(trainer, logging_outputs, 12, torch.tensor(3.75))
+        returned = dict(returned)
+    logged = step_meters.get_smoothed_values()
+    logged.pop("ups", None)  # a rate measured in wall-clock time
+    return returned, logged
+
+
+@pytest.mark.parametrize("clip_norm", [0.0, 1.0])
+def test_same_meters_and_dictionary_as_fairseq(clip_norm):
+    patched = Trainer._reduce_and_log_stats
+    fairseq_own = patched.__wrapped__
+    assert fairseq_own is not patched, "the integration did not replace the method"
+    ours, ours_logged = _one_step(patched, clip_norm)
+    theirs, theirs_logged = _one_step(fairseq_own, clip_norm)
+    assert ours == theirs
+    assert ours_logged == theirs_logged
+    # the values themselves, so that two equal but empty results cannot pass
+    assert theirs["sample_size"] == 12 and theirs["loss"] == round(31.75 / 12 / torch.log(torch.tensor(2.0)).item(), 3)
+    assert theirs_logged["gnorm"] == 3.75
+    assert ("clip" in theirs_logged) == (clip_norm > 0)
+
+
+def test_validation_calls_keep_fairseqs_body():
+    """Without a gradient norm (valid_step) fairseq's own method runs."""
+    trainer = _fake_trainer(0.0)
+    outputs = [{"loss": torch.tensor(6.0), "ntokens": 3, "nsentences": 1, "sample_size": 3}]
+    with metrics.aggregate(new_root=True):
+        returned = Trainer._reduce_and_log_stats(trainer, outputs, 3)
+    assert isinstance(returned, dict) and returned["sample_size"] == 3

@@ -197,11 +197,10 @@ class ModelParallelTransformerDecoder(TransformerDecoder):
         and at 350M parameters on an H100 the GPU then waits for the host
         (kernels busy 54 ms of an 83 ms step); as one region, fairseq-train
         there went from 91k to 114k-118k tokens/s (scripts/benchmark.py,
-        README). At model-parallel size > 1 the
-        layers swap random generators around sharded dropout, which dynamo
-        cannot trace, and activation checkpointing replays that swap; those
-        keep per-layer compilation. Evaluation and incremental decoding stay
-        eager, as in
+        README). At model-parallel size > 1 the layers swap random generators
+        around sharded dropout, which dynamo cannot trace, and activation
+        checkpointing replays that swap; those keep per-layer compilation.
+        Evaluation and incremental decoding stay eager, as in
         :func:`~fairseq_megatron.checkpoint_activations.compile_for_training`.
         """
         self._compiled_layer_stack = torch.compile(self.run_layers, backend=backend)

@@ -63,6 +63,9 @@ def compile_for_training(module: nn.Module, backend: str = "inductor") -> nn.Mod
     shapes change every step and they gain nothing from fusion. Call before
     :func:`checkpoint_wrapper`, so recomputation replays the compiled forward.
     State-dict keys do not change. ``backend``: ``torch.compile``'s.
+    The decoder uses this per layer at model-parallel size > 1 or with
+    activation checkpointing; otherwise it compiles its whole layer stack
+    (``ModelParallelTransformerDecoder.compile_run_layers``).
 
     At model-parallel size > 1, dropout on sharded activations (attention,
     ``--activation-dropout``) swaps in the RNG tracker's stream, and dynamo

@@ -53,6 +53,13 @@ def checkpoint_wrapper(module: nn.Module) -> nn.Module:
     return module
 
 
+def runs_compiled(module: nn.Module, incremental_state) -> bool:
+    """Whether a forward of ``module`` should take its compiled code: a
+    training pass with autograd on and no key/value cache. Evaluation and
+    incremental decoding change shapes every step and gain nothing from fusion."""
+    return module.training and incremental_state is None and torch.is_grad_enabled()
+
+
 def compile_for_training(module: nn.Module, backend: str = "inductor") -> nn.Module:
     """``torch.compile`` ``module.forward`` for training steps only.
 
@@ -78,7 +85,7 @@ def compile_for_training(module: nn.Module, backend: str = "inductor") -> nn.Mod
     compiled = torch.compile(eager, backend=backend)
 
     def forward(x, encoder_out=None, encoder_padding_mask=None, incremental_state=None, **kwargs):
-        run = compiled if module.training and incremental_state is None and torch.is_grad_enabled() else eager
+        run = compiled if runs_compiled(module, incremental_state) else eager
         return run(x, encoder_out, encoder_padding_mask, incremental_state, **kwargs)
 
     module.forward = forward

@@ -19,7 +19,7 @@ from fairseq.models.transformer_lm import TransformerLanguageModel, base_lm_arch
 from fairseq.utils import safe_getattr
 
 from fairseq_megatron import parallel_state
-from fairseq_megatron.checkpoint_activations import checkpoint_wrapper, compile_for_training
+from fairseq_megatron.checkpoint_activations import checkpoint_wrapper, compile_for_training, runs_compiled
 from fairseq_megatron.modules import (
     ColumnParallelLinear,
     ModelParallelTransformerDecoderLayer,
@@ -289,8 +289,7 @@ class ModelParallelTransformerDecoder(TransformerDecoder):
         if sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, group)
         run_layers = self.run_layers
-        if (self._compiled_layer_stack is not None and self.training and incremental_state is None
-                and torch.is_grad_enabled()):
+        if self._compiled_layer_stack is not None and runs_compiled(self, incremental_state):
             run_layers = self._compiled_layer_stack
         x, inner_states = run_layers(x, self_attn_mask, self_attn_padding_mask, incremental_state, sequence_parallel)
         if sequence_parallel:

@@ -58,14 +58,24 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    the optimizer's kernels finished, and the GPU sat idle while the host
    prepared the next batch. The same meters are logged; the dictionary is
    rounded when first read.
+10. :func:`_quiet_prefetch_threads_at_exit` -- fairseq's ``BufferedIterator``
+   prefetches batches in a daemon thread that is still collating (torch
+   code) when a run stops before the end of its epoch; the process then
+   sometimes aborted at exit ("terminate called without an active
+   exception", exit code -6) after a successful run. Those threads are now
+   stopped and joined before the interpreter shuts down.
 """
 
+import atexit
 import collections.abc
 import functools
 import logging
 import os
 import sys
+import threading
+import time
 import types
+import weakref
 
 import torch
 
@@ -89,6 +99,7 @@ def install() -> None:
     _data_parallel_only()
     _fused_adam_without_apex()
     _step_log_without_device_wait()
+    _quiet_prefetch_threads_at_exit()
     _INSTALLED = True
 
 
@@ -440,3 +451,46 @@ def _step_log_without_device_wait() -> None:
         return _SmoothedValuesOnRead(aggregator, sample_size)
 
     Trainer._reduce_and_log_stats = reduce_and_log_stats
+
+
+_prefetch_threads = weakref.WeakSet()
+_stop_prefetching = threading.Event()
+
+
+def _until_stopped(items):
+    for item in items:
+        if _stop_prefetching.is_set():
+            return
+        yield item
+
+
+def _stop_prefetch_threads(timeout: float = 10.0) -> None:
+    """Make every live ``BackgroundConsumer`` finish: it produces no new
+    item once the stop is set, and its queue is emptied so that a pending
+    ``put`` returns. Waits at most ``timeout`` seconds in all."""
+    import queue
+
+    _stop_prefetching.set()
+    deadline = time.monotonic() + timeout
+    for thread in list(_prefetch_threads):
+        while thread.is_alive() and time.monotonic() < deadline:
+            try:
+                while True:
+                    thread._queue.get_nowait()
+            except queue.Empty:
+                pass
+            thread.join(timeout=0.05)
+
+
+def _quiet_prefetch_threads_at_exit() -> None:
+    from fairseq.data import iterators
+
+    original_init = iterators.BackgroundConsumer.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self, queue, source, max_len, cuda_device):
+        original_init(self, queue, _until_stopped(source), max_len, cuda_device)
+        _prefetch_threads.add(self)
+
+    iterators.BackgroundConsumer.__init__ = __init__
+    atexit.register(_stop_prefetch_threads)

@@ -1,6 +1,6 @@
-"""The trainer's per-step statistics without waiting for the device
-(fairseq_integration step 9) log what fairseq's own ``_reduce_and_log_stats``
-logs and return the same dictionary."""
+"""fairseq_integration steps 9 and 10: the trainer's per-step statistics
+without waiting for the device log what fairseq's own ``_reduce_and_log_stats``
+logs and return the same dictionary; prefetch threads stop before exit."""
 
 import types
 
@@ -58,3 +58,32 @@ def test_validation_calls_keep_fairseqs_body():
     with metrics.aggregate(new_root=True):
         returned = Trainer._reduce_and_log_stats(trainer, outputs, 3)
     assert isinstance(returned, dict) and returned["sample_size"] == 3
+
+
+def test_prefetch_threads_stop_before_exit():
+    """fairseq's BufferedIterator keeps a daemon thread collating batches after
+    a run stops early; the exit hook (fairseq_integration step 10) stops and
+    joins it, also when its queue is full."""
+    from fairseq.data import iterators
+
+    from fairseq_megatron import fairseq_integration
+
+    produced = []
+
+    def batches():
+        for i in range(1000):
+            produced.append(i)
+            yield torch.full((4,), i)
+
+    buffered = iterators.BufferedIterator(2, list(range(1000)))  # total 1000
+    buffered._iterable = batches()
+    first = next(buffered)
+    assert torch.equal(first, torch.zeros(4))
+    thread = buffered._consumer
+    assert thread.is_alive()  # blocked on its full queue, as after a run that stopped early
+    try:
+        fairseq_integration._stop_prefetch_threads(timeout=10)
+        assert not thread.is_alive()
+        assert len(produced) < 1000, "the thread ran to the end instead of stopping"
+    finally:
+        fairseq_integration._stop_prefetching.clear()

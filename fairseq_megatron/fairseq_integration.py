@@ -64,6 +64,11 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    sometimes aborted at exit ("terminate called without an active
    exception", exit code -6) after a successful run. Those threads are now
    stopped and joined before the interpreter shuts down.
+11. :func:`_padding_known_on_the_host` -- our decoder asks whether a batch
+   holds padding (to build an attention mask only then), and on the GPU that
+   question waited for the previous step's optimizer to finish. The trainer
+   now answers it while the batch is still on the CPU and marks the GPU copy
+   (:mod:`fairseq_megatron.padding`).
 """
 
 import atexit
@@ -100,6 +105,7 @@ def install() -> None:
     _fused_adam_without_apex()
     _step_log_without_device_wait()
     _quiet_prefetch_threads_at_exit()
+    _padding_known_on_the_host()
     _INSTALLED = True
 
 
@@ -494,3 +500,36 @@ def _quiet_prefetch_threads_at_exit() -> None:
 
     iterators.BackgroundConsumer.__init__ = __init__
     atexit.register(_stop_prefetch_threads)
+
+
+def _source_tokens(sample):
+    """``sample["net_input"]["src_tokens"]``, or None for any other shape of batch."""
+    if isinstance(sample, dict) and isinstance(sample.get("net_input"), dict):
+        tokens = sample["net_input"].get("src_tokens")
+        if torch.is_tensor(tokens):
+            return tokens
+    return None
+
+
+def _padding_known_on_the_host() -> None:
+    from fairseq.trainer import Trainer
+
+    from fairseq_megatron.padding import mark_padding
+
+    original = Trainer._prepare_sample
+
+    @functools.wraps(original)
+    def prepare_sample(self, sample, is_dummy=False):
+        tokens = _source_tokens(sample)
+        dictionary = getattr(self.task, "source_dictionary", None)
+        if tokens is None or tokens.device.type != "cpu" or dictionary is None:
+            return original(self, sample, is_dummy)
+        pad = dictionary.pad()
+        holds_padding = bool(tokens.eq(pad).any())  # on the CPU: no wait
+        sample, is_dummy = original(self, sample, is_dummy)
+        moved = _source_tokens(sample)
+        if moved is not None:
+            mark_padding(moved, pad, holds_padding)
+        return sample, is_dummy
+
+    Trainer._prepare_sample = prepare_sample

@@ -29,6 +29,7 @@ from fairseq_megatron.modules import (
     gather_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region,
 )
+from fairseq_megatron.padding import has_padding
 from fairseq_megatron.registry import take_over_model, take_over_model_architecture
 
 logger = logging.getLogger(__name__)
@@ -278,7 +279,7 @@ class ModelParallelTransformerDecoder(TransformerDecoder):
         x = x.transpose(0, 1)  # (T, B, C)
 
         self_attn_padding_mask = None
-        if prev_output_tokens.eq(self.padding_idx).any():
+        if has_padding(prev_output_tokens, self.padding_idx):  # read on the host when fairseq-train marked it
             self_attn_padding_mask = prev_output_tokens.eq(self.padding_idx)
         self_attn_mask = None
         if incremental_state is None and not full_context_alignment:

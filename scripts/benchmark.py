@@ -172,6 +172,8 @@ def train_command(args, impl: str, shape: dict, data_dir: str, result_file: str,
             model.append("--sequence-parallel")
         if args.compile_layers:
             model.append("--compile-layers")
+        if args.cuda_graphs:
+            model.append("--cuda-graphs")
     else:  # fairseq's own transformer_lm, as ../shared/gpu/fairseq_baseline.sh runs it
         model = ["--arch", "transformer_lm_gpt2_small", *dims, "--dropout", "0.1"]
     if args.checkpoint_activations:
@@ -359,6 +361,8 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
         label += " sp"
     if impl == "megatron" and args.compile_layers:
         label += " compiled"
+    if impl == "megatron" and args.cuda_graphs:
+        label += " cudagraphs"
     if args.checkpoint_activations:
         label += " ckpt"
     if args.label:
@@ -517,6 +521,8 @@ def main(argv=None):
     p.add_argument("--checkpoint-activations", action="store_true")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--compile-layers", action="store_true", help="torch.compile our decoder layers")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="our layer stack replayed as CUDA graphs (needs --compile-layers at model-parallel size 1)")
     p.add_argument("--batch-size", type=int, help="micro-batch in sequences (default: the shape's)")
     p.add_argument("--seq-len", type=int, help="tokens per sample (default: the shape's)")
     p.add_argument("--updates", type=int, default=60)
@@ -534,6 +540,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.png and not args.csv:
         p.error("--png draws the rows of --csv; pass --csv too")
+    if args.cuda_graphs and not (args.compile_layers and args.model_parallel_size == 1 and not args.checkpoint_activations):
+        p.error("--cuda-graphs needs --compile-layers at --model-parallel-size 1 without --checkpoint-activations")
     if args.with_anchor and not os.path.isfile(args.with_anchor):
         p.error(f"--with-anchor: no such file: {args.with_anchor}")
 

@@ -61,3 +61,15 @@ def test_bf16_autocast_refuses_fp16_training():
     with pytest.raises(ValueError, match="drop --amp$"):
         build_model(1, bf16_autocast=True, amp=True)
     build_model(1, bf16_autocast=True, fp16=False, amp=False)  # fp32 training: fine
+
+
+def test_cuda_graphs_need_the_compiled_layer_stack():
+    """--cuda-graphs replays the one compiled region of the whole stack; where
+    there is none (no --compile-layers, or checkpointing) it is refused, and
+    so is gradient accumulation, whose sums the replays would overwrite."""
+    for overrides in ({}, {"compile_layers": True, "checkpoint_activations": True}):
+        with pytest.raises(ValueError, match="--cuda-graphs replays the compiled layer stack: it needs --compile-layers"):
+            build_model(1, cuda_graphs=True, **overrides)
+    with pytest.raises(ValueError, match="--cuda-graphs with --update-freq 2: a CUDA graph replay would overwrite"):
+        build_model(1, cuda_graphs=True, compile_layers=True, update_freq=[2])
+    build_model(1, cuda_graphs=True, compile_layers=True, update_freq=[1])  # the supported case: fine

@@ -203,6 +203,19 @@ def test_compile_layers_picks_the_stack_or_each_layer():
     assert all("forward" in vars(layer) for layer in per_layer.decoder.layers)
 
 
+def test_cuda_graphs_compile_the_stack_in_reduce_overhead_mode(monkeypatch):
+    """--cuda-graphs asks inductor for CUDA graphs (mode reduce-overhead) for
+    the layer stack; without it, plain inductor. Other backends (the tests'
+    aot_eager) take no mode."""
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    graphs, _ = build_model(1, compile_layers=True, cuda_graphs=True)
+    plain, _ = build_model(1, compile_layers=True)
+    graphs.decoder.compile_run_layers(backend="aot_eager")
+    assert graphs.decoder.cuda_graphs and not plain.decoder.cuda_graphs
+    assert calls == [{"mode": "reduce-overhead"}, {"backend": "inductor"}, {"backend": "aot_eager"}]
+
+
 def test_attention_without_dropout_keeps_the_compiled_layer_one_graph():
     """Once the tracker is seeded (every run at model-parallel size > 1), each
     swap of the default generator is a graph break under ``--compile-layers``.

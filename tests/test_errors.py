@@ -1,9 +1,10 @@
 """Clear errors for impossible configurations and bad checkpoints."""
 
 import pytest
+import torch
 
 from fairseq_megatron import parallel_state
-from tests.helpers import build_model, init_model_parallel, run_distributed
+from tests.helpers import build_model, init_model_parallel, make_batch, make_dictionary, run_distributed
 
 
 def _bad_dims_worker(rank, world_size):
@@ -65,11 +66,19 @@ def test_bf16_autocast_refuses_fp16_training():
 
 def test_cuda_graphs_need_the_compiled_layer_stack():
     """--cuda-graphs replays the one compiled region of the whole stack; where
-    there is none (no --compile-layers, or checkpointing) it is refused, and
-    so is gradient accumulation, whose sums the replays would overwrite."""
+    there is none (no --compile-layers, or checkpointing) the first training
+    pass refuses it, while evaluation of such a model still runs. Gradient
+    accumulation, whose sums the replays would overwrite, is refused when
+    the model is built."""
+    tokens, _ = make_batch(make_dictionary())
     for overrides in ({}, {"compile_layers": True, "checkpoint_activations": True}):
+        model, _ = build_model(1, cuda_graphs=True, **overrides)
+        model.eval()
+        with torch.no_grad():
+            model(tokens)
+        model.train()
         with pytest.raises(ValueError, match="--cuda-graphs replays the compiled layer stack: it needs --compile-layers"):
-            build_model(1, cuda_graphs=True, **overrides)
+            model(tokens)
     with pytest.raises(ValueError, match="--cuda-graphs with --update-freq 2: a CUDA graph replay would overwrite"):
         build_model(1, cuda_graphs=True, compile_layers=True, update_freq=[2])
     build_model(1, cuda_graphs=True, compile_layers=True, update_freq=[1])  # the supported case: fine

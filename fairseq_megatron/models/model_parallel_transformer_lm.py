@@ -103,7 +103,8 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         )
         parser.add_argument(
             "--cuda-graphs", action="store_true",
-            help="with --compile-layers at model-parallel size 1 without --checkpoint-activations, "
+            help="with --compile-layers at model-parallel size 1 without --checkpoint-activations "
+                 "(training refuses it otherwise), "
                  "replay the compiled layer stack as CUDA graphs (torch.compile mode "
                  "'reduce-overhead'): the host launches each training step's layers with one call "
                  "forward and one backward. Pays where the host limits the step (smaller models); "
@@ -147,14 +148,6 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
                     if safe_getattr(args, f, False)]
             if half:
                 raise ValueError(f"--bf16-autocast trains fp32 weights under bf16 autocast; drop {' '.join(half)}")
-        if safe_getattr(args, "cuda_graphs", False) and not (
-            safe_getattr(args, "compile_layers", False) and group_size == 1
-            and not safe_getattr(args, "checkpoint_activations", False)
-        ):
-            raise ValueError(
-                "--cuda-graphs replays the compiled layer stack: it needs --compile-layers at "
-                "--model-parallel-size 1 without --checkpoint-activations"
-            )
         accumulated = max(safe_getattr(args, "update_freq", None) or [1])
         if safe_getattr(args, "cuda_graphs", False) and accumulated > 1:
             # The backward graph's weight gradients live in the graphs' memory
@@ -211,7 +204,7 @@ class ModelParallelTransformerDecoder(TransformerDecoder):
             and parallel_state.world_size(self.tensor_model_parallel_group) == 1
             and not safe_getattr(args, "checkpoint_activations", False)
         )
-        self.cuda_graphs = bool(safe_getattr(args, "cuda_graphs", False)) and self.compile_layer_stack
+        self.cuda_graphs = bool(safe_getattr(args, "cuda_graphs", False))
         self._compiled_layer_stack = None
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=True)
         if self.compile_layer_stack:
@@ -334,8 +327,17 @@ class ModelParallelTransformerDecoder(TransformerDecoder):
         if sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, group)
         run_layers = self.run_layers
-        if self._compiled_layer_stack is not None and runs_compiled(self, incremental_state):
-            run_layers = self._compiled_layer_stack
+        if runs_compiled(self, incremental_state):
+            if self._compiled_layer_stack is not None:
+                run_layers = self._compiled_layer_stack
+            elif self.cuda_graphs:
+                # Refused at the first training pass, not when building: a
+                # checkpoint trained with the flag still loads for evaluation
+                # at any model-parallel size.
+                raise ValueError(
+                    "--cuda-graphs replays the compiled layer stack: it needs --compile-layers at "
+                    "--model-parallel-size 1 without --checkpoint-activations"
+                )
         x, inner_states = run_layers(x, self_attn_mask, self_attn_padding_mask, incremental_state, sequence_parallel)
         if sequence_parallel:
             x = gather_from_sequence_parallel_region(x, group, to_tensor_parallel_region=False)

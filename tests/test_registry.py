@@ -57,3 +57,15 @@ def test_transformer_lm_megatron_dims_and_overrides():
     assert (args.decoder_embed_dim, args.decoder_ffn_embed_dim) == (3072, 3072 * 4)
     small = _parse(RECIPE + ["--decoder-layers", "2", "--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "256"])
     assert (small.decoder_layers, small.decoder_embed_dim, small.decoder_ffn_embed_dim) == (2, 64, 256)
+
+
+def test_speed_flags_parse():
+    """The training-speed flags are fairseq-train options of our model (the
+    unit tests build models from a Namespace and would not notice a flag
+    missing from the parser); absent unless given (fairseq suppresses model
+    argument defaults; the model reads them with safe_getattr)."""
+    flags = ["--compile-layers", "--cuda-graphs", "--bf16-autocast", "--sequence-parallel"]
+    on, off = _parse(RECIPE + flags), _parse(RECIPE)
+    for flag in flags:
+        name = flag[2:].replace("-", "_")
+        assert getattr(on, name) is True and getattr(off, name, False) is False, flag

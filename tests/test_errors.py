@@ -66,8 +66,8 @@ def test_bf16_autocast_refuses_fp16_training():
 
 def test_cuda_graphs_need_the_compiled_layer_stack():
     """--cuda-graphs replays the one compiled region of the whole stack; where
-    there is none (no --compile-layers, or checkpointing) the first training
-    pass refuses it, while evaluation of such a model still runs. Gradient
+    there is none (no --compile-layers, or checkpointing) switching to
+    training refuses it, while evaluation of such a model still runs. Gradient
     accumulation, whose sums the replays would overwrite, is refused when
     the model is built."""
     tokens, _ = make_batch(make_dictionary())
@@ -76,9 +76,8 @@ def test_cuda_graphs_need_the_compiled_layer_stack():
         model.eval()
         with torch.no_grad():
             model(tokens)
-        model.train()
         with pytest.raises(ValueError, match="--cuda-graphs replays the compiled layer stack: it needs --compile-layers"):
-            model(tokens)
+            model.train()
     with pytest.raises(ValueError, match="--cuda-graphs with --update-freq 2: a CUDA graph replay would overwrite"):
         build_model(1, cuda_graphs=True, compile_layers=True, update_freq=[2])
     build_model(1, cuda_graphs=True, compile_layers=True, update_freq=[1])  # the supported case: fine

@@ -243,6 +243,25 @@ class ModelParallelTransformerDecoder(TransformerDecoder):
         else:
             self._compiled_layer_stack = torch.compile(self.run_layers, backend=backend)
 
+    def train(self, mode: bool = True):
+        """``nn.Module.train``; refuses training mode when ``--cuda-graphs`` has
+        no compiled layer stack to replay.
+
+        Raises:
+            ValueError: ``--cuda-graphs`` without ``--compile-layers``, at
+                model-parallel size > 1 or with ``--checkpoint-activations``.
+                Checked here, not when building: a checkpoint trained with the
+                flag still loads for evaluation at any model-parallel size, and
+                fairseq's trainer calls ``train()`` before the part of a step
+                whose errors make it write ``crash.pt``.
+        """
+        if mode and self.cuda_graphs and self._compiled_layer_stack is None:
+            raise ValueError(
+                "--cuda-graphs replays the compiled layer stack: it needs --compile-layers at "
+                "--model-parallel-size 1 without --checkpoint-activations"
+            )
+        return super().train(mode)
+
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         if not isinstance(cfg, TransformerConfig):
             cfg = TransformerConfig.from_namespace(cfg)
@@ -327,17 +346,8 @@ class ModelParallelTransformerDecoder(TransformerDecoder):
         if sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, group)
         run_layers = self.run_layers
-        if runs_compiled(self, incremental_state):
-            if self._compiled_layer_stack is not None:
-                run_layers = self._compiled_layer_stack
-            elif self.cuda_graphs:
-                # Refused at the first training pass, not when building: a
-                # checkpoint trained with the flag still loads for evaluation
-                # at any model-parallel size.
-                raise ValueError(
-                    "--cuda-graphs replays the compiled layer stack: it needs --compile-layers at "
-                    "--model-parallel-size 1 without --checkpoint-activations"
-                )
+        if self._compiled_layer_stack is not None and runs_compiled(self, incremental_state):
+            run_layers = self._compiled_layer_stack
         x, inner_states = run_layers(x, self_attn_mask, self_attn_padding_mask, incremental_state, sequence_parallel)
         if sequence_parallel:
             x = gather_from_sequence_parallel_region(x, group, to_tensor_parallel_region=False)

@@ -17,6 +17,10 @@ only where ``sqrt(v)`` is itself of order ``eps``. Parameters that are not
 fp32 (``--memory-efficient-fp16`` keeps fp16 weights), CPU tensors and
 ``--fp16-adam-stats`` get fairseq's own Adam, as before. ``--use-old-adam``
 turns the lookup off altogether (fairseq's flag).
+
+It also lets the trainer skip an update with non-finite gradients on the
+device instead of testing the norm on the host first (see
+:meth:`FusedAdamW.skip_step_if_nonfinite`).
 """
 
 from typing import Callable, Optional
@@ -44,6 +48,8 @@ class FusedAdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, fused=True)
         self._grad_factor = 1.0  # float or 0-dim tensor; applied by the next step()
+        self._found_inf = None  # 0-dim fp32 on the device (1.0: skip), for the next step()
+        self._last_step_skipped = None  # _HostCopy of the last step's found_inf
 
     def multiply_grads(self, c) -> None:
         """Multiply every gradient by ``c`` (float or 0-dim tensor), lazily."""
@@ -66,10 +72,38 @@ class FusedAdamW(torch.optim.AdamW):
             self._grad_factor = self._grad_factor * (float(max_norm) / (norm + 1e-6)).clamp(max=1)
         return norm
 
+    def skip_step_if_nonfinite(self, grad_norm: torch.Tensor) -> None:
+        """Make the next :meth:`step` change nothing if ``grad_norm`` (0-dim,
+        as :meth:`clip_grad_norm` returns it) is NaN or infinite, decided on
+        the device: the fused kernel's ``found_inf`` leaves the parameters and
+        moments as they were and the step count is restored.
+
+        fairseq's trainer instead reads the norm on the host before every
+        update (``torch.isfinite(grad_norm)`` in ``Trainer.train_step``) so as
+        to raise before the weights change; that read waits for the whole
+        backward pass, and the GPU then idles while the host queues the
+        optimizer and the next forward. Here nothing waits: the step's
+        outcome travels to the host while the GPU works on, and
+        :meth:`last_step_skipped` reads it (fairseq_integration step 12 raises
+        fairseq's FloatingPointError one update later)."""
+        device = self.param_groups[0]["params"][0].device
+        self._found_inf = torch.isfinite(grad_norm).logical_not().to(device=device, dtype=torch.float32).reshape(())
+
+    def last_step_skipped(self) -> bool:
+        """Whether the last :meth:`step` was skipped for a non-finite
+        gradient norm (:meth:`skip_step_if_nonfinite`); answers once, then
+        False until the next such step. Waits for that step's kernel only,
+        not for work queued after it."""
+        outcome, self._last_step_skipped = self._last_step_skipped, None
+        return outcome is not None and bool(outcome.read())
+
     def step(self, closure=None, scale: float = 1.0):
         """One update with gradients multiplied by the pending factor and
         divided by ``scale`` (fairseq's convention for the loss scale), both
-        inside the fused kernel (its ``grad_scale`` divides)."""
+        inside the fused kernel (its ``grad_scale`` divides); skipped on the
+        device if :meth:`skip_step_if_nonfinite` saw a non-finite norm."""
+        found_inf, self._found_inf = self._found_inf, None
+        self.found_inf = found_inf  # read by torch's AdamW.step, like grad_scale
         divisor = scale / self._grad_factor
         if torch.is_tensor(divisor) or divisor != 1.0:
             device = self.param_groups[0]["params"][0].device
@@ -78,14 +112,49 @@ class FusedAdamW(torch.optim.AdamW):
             else:  # filled on the device: no host-to-device copy, which would wait for the GPU
                 self.grad_scale = torch.full((), divisor, dtype=torch.float32, device=device)
         try:
-            return super().step(closure)
+            loss = super().step(closure)
         finally:
-            self.grad_scale = None
+            self.grad_scale = self.found_inf = None
             self._grad_factor = 1.0
+        if found_inf is not None:
+            self._last_step_skipped = _HostCopy(found_inf)
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grad_factor = 1.0
+        self._found_inf = None  # a norm whose step never came (an exception between)
         super().zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        """torch's state dict; raises FloatingPointError instead if the last
+        update was skipped for non-finite gradients and nobody has asked
+        since (training that ends on such an update must not save as if it
+        had succeeded)."""
+        if self.last_step_skipped():
+            raise FloatingPointError("gradients are Nan/Inf in the last update (skipped: weights and Adam moments "
+                                     "unchanged); not saving")
+        return super().state_dict()
+
+
+class _HostCopy:
+    """The value of a 0-dim tensor, copied to the host without waiting for the
+    device: on CUDA a non-blocking copy into pinned memory and an event after
+    it; :meth:`read` waits for that event only."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._done = None
+        if tensor.is_cuda:
+            self._value = torch.empty((), dtype=tensor.dtype, pin_memory=True)
+            self._value.copy_(tensor, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._value = tensor.detach().clone()
+
+    def read(self):
+        if self._done is not None:
+            self._done.synchronize()
+        return self._value.item()
 
 
 def _build(params, use_fp16_stats: bool = False, **config):

@@ -1,5 +1,6 @@
 """The fused Adam that replaces fairseq's Python Adam when apex is absent."""
 
+import pytest
 import torch
 from fairseq.optim.adam import Adam
 
@@ -116,3 +117,95 @@ def test_fairseq_adam_routes_multiply_and_clip_to_fused():
     wrapper.multiply_grads(0.5)
     assert torch.equal(p.grad, torch.full((4,), 2.0))  # deferred to the step
     assert wrapper.clip_grad_norm(0.0).item() == 2.0  # norm of the multiplied gradients (1, 1, 1, 1)
+
+
+def _run(bad_steps=(), skip_check=True, steps=4, nonfinite=float("nan")):
+    """``steps`` updates of two parameters; gradients of the steps in
+    ``bad_steps`` hold one ``nonfinite`` element. Returns the parameters,
+    the optimizer state and what ``last_step_skipped`` said after each step."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(50)), torch.nn.Parameter(torch.randn(5, 3))]
+    opt = FusedAdamW(params, lr=1e-2, weight_decay=0.01)
+    g = torch.Generator().manual_seed(1)
+    skipped = []
+    for step in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        if step in bad_steps:
+            params[1].grad[2, 1] = nonfinite
+        opt.multiply_grads(0.5)
+        norm = opt.clip_grad_norm(1.0)
+        if skip_check:
+            opt.skip_step_if_nonfinite(norm)
+        opt.step()
+        skipped.append(opt.last_step_skipped())
+        opt.zero_grad()
+    state = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params)}
+    return [p.detach().clone() for p in params], state, skipped
+
+
+def _assert_same_run(a, b):
+    for x, y in zip(a[0], b[0]):
+        assert torch.equal(x, y)
+    for i in a[1]:
+        for k in a[1][i]:
+            assert torch.equal(a[1][i][k], b[1][i][k]), (i, k)
+
+
+def test_finite_norms_change_nothing():
+    """With every norm finite, the check on the device leaves each update
+    bitwise as it was and never reports a skipped step."""
+    checked, unchecked = _run(skip_check=True), _run(skip_check=False)
+    _assert_same_run(checked, unchecked)
+    assert checked[2] == [False] * 4
+
+
+def test_nonfinite_norm_skips_the_update_on_the_device():
+    """A NaN or infinite gradient element makes the norm non-finite: that
+    update leaves parameters, moments and step count as they were, so the
+    run equals one whose bad step never happened (the same gradients drawn,
+    the bad step's update dropped: bitwise equal, since nothing of it is
+    applied). ``last_step_skipped`` says so once, right after it."""
+    for nonfinite in (float("nan"), float("inf")):
+        with_bad = _run(bad_steps=(1,), nonfinite=nonfinite)
+        assert with_bad[2] == [False, True, False, False]
+        # reference: the same gradient draws, the update of step 1 left out
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(50)), torch.nn.Parameter(torch.randn(5, 3))]
+        opt = FusedAdamW(params, lr=1e-2, weight_decay=0.01)
+        g = torch.Generator().manual_seed(1)
+        for step in range(4):
+            grads = [torch.randn(p.shape, generator=g) for p in params]
+            if step == 1:
+                continue
+            for p, grad in zip(params, grads):
+                p.grad = grad
+            opt.multiply_grads(0.5)
+            opt.clip_grad_norm(1.0)
+            opt.step()
+            opt.zero_grad()
+        reference = ([p.detach() for p in params], {i: opt.state[p] for i, p in enumerate(params)})
+        _assert_same_run(with_bad, reference)
+        assert with_bad[1][0]["step"].item() == 3
+
+
+def test_without_the_device_check_a_nonfinite_update_is_applied():
+    """The control for the test above: without ``skip_step_if_nonfinite``
+    the NaN reaches the weights, so that test's equality can fail."""
+    params, _, skipped = _run(bad_steps=(1,), skip_check=False)
+    assert not torch.isfinite(params[0]).all()
+    assert skipped == [False] * 4
+
+
+def test_saving_after_a_skipped_update_raises():
+    """A run that ends on a skipped update must not save as if it had
+    succeeded: ``state_dict`` raises then, once (the error was reported)."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = FusedAdamW([p], lr=1e-3)
+    p.grad = torch.tensor([1.0, float("inf"), 0.0])
+    opt.skip_step_if_nonfinite(opt.clip_grad_norm(0.0))
+    opt.step()
+    with pytest.raises(FloatingPointError, match="Nan/Inf in the last update"):
+        opt.state_dict()
+    assert torch.equal(p.detach(), torch.ones(3))
+    assert "state" in opt.state_dict()

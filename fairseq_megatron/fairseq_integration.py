@@ -69,6 +69,15 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    question waited for the previous step's optimizer to finish. The trainer
    now answers it while the batch is still on the CPU and marks the GPU copy
    (:mod:`fairseq_megatron.padding`).
+12. :func:`_nonfinite_gradients_skipped_on_the_device` -- before every
+   update the trainer tested the gradient norm on the host
+   (``torch.isfinite(grad_norm)``, to raise FloatingPointError before the
+   weights change), which waited for the whole backward pass. With our fused
+   AdamW (``--bf16-autocast`` or fp32 training with ``--optimizer adam``)
+   the kernel now skips such an update on the device, and the error is
+   raised at the next update (or when a checkpoint would be saved) with the
+   number of the update skipped. ``--fp16`` and ``--amp`` keep fairseq's
+   test: their loss scaler reads the norm anyway.
 """
 
 import atexit
@@ -106,6 +115,7 @@ def install() -> None:
     _step_log_without_device_wait()
     _quiet_prefetch_threads_at_exit()
     _padding_known_on_the_host()
+    _nonfinite_gradients_skipped_on_the_device()
     _INSTALLED = True
 
 
@@ -200,15 +210,20 @@ def _launch_on_cpu() -> None:
     fairseq.models.DistributedFairseqModel = DistributedFairseqModel
 
 
-class _TorchWithTrustedLoad(types.ModuleType):
-    """Stands in for ``torch`` inside ``fairseq.checkpoint_utils`` only:
-    ``torch.load`` defaults to ``weights_only=False`` there."""
+class _TorchStandIn(types.ModuleType):
+    """Stands in for ``torch`` as the global ``torch`` of one fairseq module:
+    torch's names, except those a subclass defines."""
 
     def __init__(self):
         super().__init__("torch")
 
     def __getattr__(self, name):
         return getattr(torch, name)
+
+
+class _TorchWithTrustedLoad(_TorchStandIn):
+    """``torch`` inside ``fairseq.checkpoint_utils``: ``torch.load`` defaults
+    to ``weights_only=False`` there."""
 
     @staticmethod
     def load(f, *args, **kwargs):
@@ -533,3 +548,57 @@ def _padding_known_on_the_host() -> None:
         return sample, is_dummy
 
     Trainer._prepare_sample = prepare_sample
+
+
+_CHECKED_ON_THE_DEVICE = "_fairseq_megatron_finite_checked_on_the_device"
+
+
+class _CheckedOnTheDevice:
+    """``torch.isfinite(grad_norm)`` for a norm that step 12 marked: fairseq
+    asks ``.all()`` of it and gets True without any tensor being read (the
+    optimizer skips a non-finite update by itself)."""
+
+    @staticmethod
+    def all() -> bool:
+        return True
+
+
+class _TorchWithNormsCheckedOnTheDevice(_TorchStandIn):
+    """``torch`` inside ``fairseq.trainer``: ``isfinite`` of a gradient norm
+    marked by step 12 answers without reading it; any other tensor gets
+    torch's answer."""
+
+    @staticmethod
+    def isfinite(tensor):
+        if torch.is_tensor(tensor) and getattr(tensor, _CHECKED_ON_THE_DEVICE, None) == tensor._version:
+            return _CheckedOnTheDevice()
+        return torch.isfinite(tensor)
+
+
+def _nonfinite_gradients_skipped_on_the_device() -> None:
+    from fairseq import trainer as trainer_module
+    from fairseq.model_parallel.megatron_trainer import MegatronTrainer
+    from fairseq.optim.adam import FairseqAdam
+
+    from fairseq_megatron.fused_adam import FusedAdamW
+
+    def checked_on_the_device(clip_grad_norm):
+        @functools.wraps(clip_grad_norm)
+        def method(self, clip_norm):
+            optimizer = self.optimizer  # FP16Optimizer, AMPOptimizer: not a FairseqAdam, unchanged
+            fused = optimizer._optimizer if isinstance(optimizer, FairseqAdam) else None
+            if not isinstance(fused, FusedAdamW):
+                return clip_grad_norm(self, clip_norm)
+            if fused.last_step_skipped():
+                raise FloatingPointError(f"gradients are Nan/Inf in update {self.get_num_updates()} (skipped: "
+                                         "weights and Adam moments unchanged)")
+            grad_norm = clip_grad_norm(self, clip_norm)
+            fused.skip_step_if_nonfinite(grad_norm)
+            setattr(grad_norm, _CHECKED_ON_THE_DEVICE, grad_norm._version)
+            return grad_norm
+
+        return method
+
+    for cls in (trainer_module.Trainer, MegatronTrainer):
+        cls.clip_grad_norm = checked_on_the_device(cls.__dict__["clip_grad_norm"])
+    trainer_module.torch = _TorchWithNormsCheckedOnTheDevice()

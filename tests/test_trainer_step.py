@@ -1,0 +1,147 @@
+"""fairseq's own ``Trainer.train_step`` with our model (model-parallel size
+1, ``--bf16-autocast``, the fused AdamW a GPU run gets): what the host reads
+from tensors during a step, and fairseq_integration step 12 (non-finite
+gradients skipped on the device, the error raised one update later).
+
+On a GPU every host read of a device tensor (``bool(t)``, ``t.item()``)
+waits for all queued work. On CPU nothing waits, but the reads are still
+visible: ``aten._local_scalar_dense`` is where every one of them goes, and a
+dispatch mode records each with its Python stack. The step runs in a spawned
+process of world size 1 (checked), as fairseq-train would.
+"""
+
+import os
+import traceback
+
+import pytest
+import torch
+
+from tests.helpers import run_distributed
+
+# Reads that stay on the host on any device: the padding test of the batch
+# while it is still on the CPU (fairseq_integration step 11); fairseq's
+# sinusoidal positions, which take the batch shape as a CPU tensor
+# (torch.onnx.operators.shape_as_tensor) and compare it with ints; and the
+# previous update's skip flag, a pinned host copy read after waiting for that
+# update's kernel only (fused_adam._HostCopy).
+HOST_ONLY_READS = ("fairseq_integration.py:prepare_sample", "sinusoidal_positional_embedding.py:forward",
+                   "fused_adam.py:read")
+
+
+def _trainer(save_dir, fused: bool):
+    """fairseq's Trainer as fairseq-train builds it, on fairseq's dummy_lm
+    task, and its batch iterator."""
+    import fairseq_megatron  # noqa: F401
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.trainer import Trainer
+
+    from fairseq_megatron import parallel_state
+    from fairseq_megatron.fused_adam import FusedAdamW
+
+    os.makedirs(save_dir, exist_ok=True)  # fairseq-train creates it; crash.pt goes there
+    parallel_state.initialize_model_parallel(1)
+    args = options.parse_args_and_arch(options.get_training_parser(), input_args=[
+        "--task", "dummy_lm", "--tokens-per-sample", "16", "--dict-size", "60", "--batch-size", "2",
+        "--arch", "transformer_lm_megatron_11b", "--decoder-layers", "2", "--decoder-embed-dim", "32",
+        "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4", "--bf16-autocast",
+        "--criterion", "vocab_parallel_cross_entropy", "--optimizer", "adam", "--lr", "1e-3",
+        "--clip-norm", "1.0", "--cpu", "--seed", "3", "--save-dir", str(save_dir)])
+    cfg = convert_namespace_to_omegaconf(args)
+    task = tasks.setup_task(cfg.task)
+    trainer = Trainer(cfg, task, task.build_model(cfg.model), task.build_criterion(cfg.criterion))
+    wrapper = trainer.optimizer  # fairseq's FairseqAdam
+    if fused:  # what fairseq builds for fp32 weights on a GPU (on CPU it keeps its own Adam)
+        params = [p for group in wrapper._optimizer.param_groups for p in group["params"]]
+        wrapper._optimizer = FusedAdamW(params, lr=1e-3, betas=(0.9, 0.999))
+    task.load_dataset("train")
+    batches = trainer.get_train_iterator(epoch=1).next_epoch_itr(shuffle=False)
+    return trainer, batches
+
+
+def _reads_worker(rank, world_size, save_dir):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import fairseq.trainer
+    from fairseq_megatron import fairseq_integration
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sites = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                frames = traceback.extract_stack()[:-1]
+                self.sites.append([f"{os.path.basename(f.filename)}:{f.name}" for f in frames])
+            return func(*args, **(kwargs or {}))
+
+    def unexpected_reads(trainer, batch):
+        with HostReads() as reads:
+            trainer.train_step([batch])
+        return [s[-4:] for s in reads.sites if not any(f in frame for f in HOST_ONLY_READS for frame in s)]
+
+    trainer, batches = _trainer(save_dir, fused=True)
+    trainer.train_step([next(batches)])  # the first step builds and warms up
+    ours = unexpected_reads(trainer, next(batches))
+    # Control: fairseq's own finiteness test restored (step 12 undone).
+    patched_clip, patched_torch = fairseq.trainer.Trainer.clip_grad_norm, fairseq.trainer.torch
+    fairseq.trainer.Trainer.clip_grad_norm = patched_clip.__wrapped__
+    fairseq.trainer.torch = torch
+    try:
+        theirs = unexpected_reads(trainer, next(batches))
+    finally:
+        fairseq.trainer.Trainer.clip_grad_norm, fairseq.trainer.torch = patched_clip, patched_torch
+    assert isinstance(patched_torch, fairseq_integration._TorchStandIn)
+    return ours, theirs
+
+
+def test_a_training_step_reads_nothing_from_the_device(tmp_path):
+    """After the warm-up step, a training step reads no tensor on the host
+    except the two host-only sites above; with fairseq's own finiteness
+    test restored the same step reads the gradient norm in train_step
+    (the control: this test sees such a read)."""
+    ours, theirs = run_distributed(_reads_worker, 1, tmp_path, str(tmp_path / "ckpt"))[0]
+    assert ours == [], f"host reads in a training step: {ours}"
+    assert len(theirs) == 1 and "trainer.py:train_step" in theirs[0], theirs
+
+
+def _nonfinite_worker(rank, world_size, save_dir, fused):
+    trainer, batches = _trainer(save_dir, fused=fused)
+    model = trainer.get_model()
+    inject = {"on": False}
+    first = next(model.parameters())
+    first.register_hook(lambda grad: grad * float("nan") if inject["on"] else grad)
+    trainer.train_step([next(batches)])
+    before = [p.detach().clone() for p in model.parameters()]
+    inject["on"] = True
+    outcome = []
+    for _ in range(2):
+        try:
+            trainer.train_step([next(batches)])
+            outcome.append("ok")
+        except FloatingPointError as e:
+            outcome.append(f"FloatingPointError: {e}")
+            break
+    unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+    return outcome, unchanged, trainer.get_num_updates(), os.path.exists(os.path.join(save_dir, "crash.pt"))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-adamw", "fairseq-adam"])
+def test_nonfinite_gradients(tmp_path, fused):
+    """NaN gradients in update 2. With the fused AdamW the step returns
+    (no read of the norm), the update is skipped on the device (every
+    weight bitwise unchanged) and the next step raises fairseq's
+    FloatingPointError naming update 2, through fairseq's own handler
+    (it writes crash.pt). With fairseq's Python Adam (the control, and any
+    optimizer but ours) fairseq raises in update 2 itself."""
+    outcome, unchanged, updates, crash_written = run_distributed(
+        _nonfinite_worker, 1, tmp_path, str(tmp_path / "ckpt"), fused)[0]
+    assert unchanged and crash_written
+    if fused:
+        assert outcome[0] == "ok" and len(outcome) == 2, outcome
+        assert outcome[1].startswith("FloatingPointError: gradients are Nan/Inf in update 2 (skipped"), outcome
+        assert updates == 2
+    else:
+        assert outcome == ["FloatingPointError: gradients are Nan/Inf"], outcome
+        assert updates == 1

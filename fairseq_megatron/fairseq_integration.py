@@ -13,7 +13,12 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    ``clip_grad_norm`` counted the parameters every rank holds in full (layer
    norms, row-parallel biases) once per rank, so ``gnorm`` and clipping
    depended on the model-parallel size; now each counts once
-   (:mod:`fairseq_megatron.grad_norm`).
+   (:mod:`fairseq_megatron.grad_norm`). The ``crash.pt`` that fairseq's
+   trainer writes on a FloatingPointError had no part suffix, so every rank
+   of a group wrote (and renamed) the same file: one rank's part survived
+   under a whole checkpoint's name, and the other rank could fail with
+   FileNotFoundError instead of the real error. Each rank now writes its
+   own ``crash-model_part-K.pt``.
 3. :func:`_launch_on_cpu` -- torchrun on a CPU-only machine: fairseq divides
    by ``torch.cuda.device_count()`` (ZeroDivisionError), ignores torchrun's
    WORLD_SIZE unless ``--distributed-world-size`` repeats it, defaults to
@@ -156,6 +161,17 @@ def _enable_megatron_trainer() -> None:
         return self.optimizer.clip_grad_norm(clip_norm, aggregate_norm_fn=aggregate)
 
     megatron_trainer.MegatronTrainer.clip_grad_norm = clip_grad_norm
+
+    original_save = megatron_trainer.MegatronTrainer.save_checkpoint
+
+    @functools.wraps(original_save)
+    def save_checkpoint(self, filename, extra_state):
+        suffix = self.checkpoint_suffix  # "-model_part-K" (fairseq's distributed_init sets it)
+        if suffix and filename.endswith(".pt") and not filename.endswith(suffix + ".pt"):
+            filename = filename[: -len(".pt")] + suffix + ".pt"  # crash.pt; the others have it
+        return original_save(self, filename, extra_state)
+
+    megatron_trainer.MegatronTrainer.save_checkpoint = save_checkpoint
 
 
 def _launch_on_cpu() -> None:

@@ -28,28 +28,35 @@ HOST_ONLY_READS = ("fairseq_integration.py:prepare_sample", "sinusoidal_position
                    "fused_adam.py:read")
 
 
-def _trainer(save_dir, fused: bool):
-    """fairseq's Trainer as fairseq-train builds it, on fairseq's dummy_lm
-    task, and its batch iterator."""
+def _trainer(save_dir, fused: bool, model_parallel_size: int = 1, extra_args=()):
+    """fairseq's trainer as fairseq-train builds it (``MegatronTrainer`` at
+    model-parallel size > 1), on fairseq's dummy_lm task, and its batch
+    iterator."""
     import fairseq_megatron  # noqa: F401
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.model_parallel.megatron_trainer import MegatronTrainer
     from fairseq.trainer import Trainer
 
-    from fairseq_megatron import parallel_state
     from fairseq_megatron.fused_adam import FusedAdamW
+    from tests.helpers import init_model_parallel
 
     os.makedirs(save_dir, exist_ok=True)  # fairseq-train creates it; crash.pt goes there
-    parallel_state.initialize_model_parallel(1)
+    init_model_parallel(model_parallel_size, seed=3)
     args = options.parse_args_and_arch(options.get_training_parser(), input_args=[
         "--task", "dummy_lm", "--tokens-per-sample", "16", "--dict-size", "60", "--batch-size", "2",
         "--arch", "transformer_lm_megatron_11b", "--decoder-layers", "2", "--decoder-embed-dim", "32",
         "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4", "--bf16-autocast",
         "--criterion", "vocab_parallel_cross_entropy", "--optimizer", "adam", "--lr", "1e-3",
-        "--clip-norm", "1.0", "--cpu", "--seed", "3", "--save-dir", str(save_dir)])
+        "--clip-norm", "1.0", "--cpu", "--seed", "3", "--save-dir", str(save_dir),
+        "--model-parallel-size", str(model_parallel_size), *extra_args])
     cfg = convert_namespace_to_omegaconf(args)
+    if model_parallel_size > 1:  # what fairseq's distributed_init adds
+        cfg.checkpoint.checkpoint_suffix = f"-model_part-{torch.distributed.get_rank()}"
     task = tasks.setup_task(cfg.task)
-    trainer = Trainer(cfg, task, task.build_model(cfg.model), task.build_criterion(cfg.criterion))
+    trainer_cls = Trainer if model_parallel_size == 1 else MegatronTrainer  # as fairseq_cli/train.py chooses
+    trainer = trainer_cls(cfg, task, task.build_model(cfg.model), task.build_criterion(cfg.criterion))
+    assert type(trainer).__name__ == trainer_cls.__name__
     wrapper = trainer.optimizer  # fairseq's FairseqAdam
     if fused:  # what fairseq builds for fp32 weights on a GPU (on CPU it keeps its own Adam)
         params = [p for group in wrapper._optimizer.param_groups for p in group["params"]]
@@ -59,7 +66,7 @@ def _trainer(save_dir, fused: bool):
     return trainer, batches
 
 
-def _reads_worker(rank, world_size, save_dir):
+def _reads_worker(rank, world_size, save_dir, extra_args):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import fairseq.trainer
@@ -81,37 +88,43 @@ def _reads_worker(rank, world_size, save_dir):
             trainer.train_step([batch])
         return [s[-4:] for s in reads.sites if not any(f in frame for f in HOST_ONLY_READS for frame in s)]
 
-    trainer, batches = _trainer(save_dir, fused=True)
+    trainer, batches = _trainer(save_dir, True, world_size, extra_args)
     trainer.train_step([next(batches)])  # the first step builds and warms up
     ours = unexpected_reads(trainer, next(batches))
     # Control: fairseq's own finiteness test restored (step 12 undone).
-    patched_clip, patched_torch = fairseq.trainer.Trainer.clip_grad_norm, fairseq.trainer.torch
-    fairseq.trainer.Trainer.clip_grad_norm = patched_clip.__wrapped__
-    fairseq.trainer.torch = torch
+    cls = type(trainer)
+    patched_clip, patched_torch = cls.__dict__["clip_grad_norm"], fairseq.trainer.torch
+    cls.clip_grad_norm, fairseq.trainer.torch = patched_clip.__wrapped__, torch
     try:
         theirs = unexpected_reads(trainer, next(batches))
     finally:
-        fairseq.trainer.Trainer.clip_grad_norm, fairseq.trainer.torch = patched_clip, patched_torch
+        cls.clip_grad_norm, fairseq.trainer.torch = patched_clip, patched_torch
     assert isinstance(patched_torch, fairseq_integration._TorchStandIn)
     return ours, theirs
 
 
-def test_a_training_step_reads_nothing_from_the_device(tmp_path):
+@pytest.mark.parametrize("model_parallel_size, extra_args", [
+    (1, []),
+    (2, ["--sequence-parallel", "--checkpoint-activations"]),  # MegatronTrainer, recomputation, SP collectives
+], ids=["size-1", "size-2-sequence-parallel-checkpointed"])
+def test_a_training_step_reads_nothing_from_the_device(tmp_path, model_parallel_size, extra_args):
     """After the warm-up step, a training step reads no tensor on the host
-    except the two host-only sites above; with fairseq's own finiteness
+    except the host-only sites named above; with fairseq's own finiteness
     test restored the same step reads the gradient norm in train_step
-    (the control: this test sees such a read)."""
-    ours, theirs = run_distributed(_reads_worker, 1, tmp_path, str(tmp_path / "ckpt"))[0]
-    assert ours == [], f"host reads in a training step: {ours}"
-    assert len(theirs) == 1 and "trainer.py:train_step" in theirs[0], theirs
+    (the control: this test sees such a read). At size 2 on every rank."""
+    results = run_distributed(_reads_worker, model_parallel_size, tmp_path, str(tmp_path / "ckpt"), extra_args)
+    for ours, theirs in results:
+        assert ours == [], f"host reads in a training step: {ours}"
+        assert len(theirs) == 1 and "trainer.py:train_step" in theirs[0], theirs
 
 
 def _nonfinite_worker(rank, world_size, save_dir, fused):
-    trainer, batches = _trainer(save_dir, fused=fused)
+    trainer, batches = _trainer(save_dir, fused, world_size)
     model = trainer.get_model()
     inject = {"on": False}
     first = next(model.parameters())
-    first.register_hook(lambda grad: grad * float("nan") if inject["on"] else grad)
+    if rank == 0:
+        first.register_hook(lambda grad: grad * float("nan") if inject["on"] else grad)
     trainer.train_step([next(batches)])
     before = [p.detach().clone() for p in model.parameters()]
     inject["on"] = True
@@ -124,24 +137,31 @@ def _nonfinite_worker(rank, world_size, save_dir, fused):
             outcome.append(f"FloatingPointError: {e}")
             break
     unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
-    return outcome, unchanged, trainer.get_num_updates(), os.path.exists(os.path.join(save_dir, "crash.pt"))
+    crash = os.path.join(save_dir, "crash.pt" if world_size == 1 else f"crash-model_part-{rank}.pt")
+    saved = torch.load(crash, weights_only=False)["model"]
+    own_part = all(torch.equal(saved[name], p.detach()) for name, p in model.state_dict().items())
+    return outcome, unchanged, trainer.get_num_updates(), own_part
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-adamw", "fairseq-adam"])
-def test_nonfinite_gradients(tmp_path, fused):
+@pytest.mark.parametrize("fused, model_parallel_size", [(True, 1), (False, 1), (True, 2)],
+                         ids=["fused-adamw", "fairseq-adam", "fused-adamw-size-2"])
+def test_nonfinite_gradients(tmp_path, fused, model_parallel_size):
     """NaN gradients in update 2. With the fused AdamW the step returns
     (no read of the norm), the update is skipped on the device (every
     weight bitwise unchanged) and the next step raises fairseq's
     FloatingPointError naming update 2, through fairseq's own handler
     (it writes crash.pt). With fairseq's Python Adam (the control, and any
-    optimizer but ours) fairseq raises in update 2 itself."""
-    outcome, unchanged, updates, crash_written = run_distributed(
-        _nonfinite_worker, 1, tmp_path, str(tmp_path / "ckpt"), fused)[0]
-    assert unchanged and crash_written
-    if fused:
-        assert outcome[0] == "ok" and len(outcome) == 2, outcome
-        assert outcome[1].startswith("FloatingPointError: gradients are Nan/Inf in update 2 (skipped"), outcome
-        assert updates == 2
-    else:
-        assert outcome == ["FloatingPointError: gradients are Nan/Inf"], outcome
-        assert updates == 1
+    optimizer but ours) fairseq raises in update 2 itself. At size 2 the
+    NaN is in rank 0's shard only; the norm over the group makes both
+    ranks skip and raise together, and each rank's crash file holds its
+    own part (fairseq wrote one crash.pt from both ranks)."""
+    results = run_distributed(_nonfinite_worker, model_parallel_size, tmp_path, str(tmp_path / "ckpt"), fused)
+    for outcome, unchanged, updates, crash_holds_own_part in results:
+        assert unchanged and crash_holds_own_part
+        if fused:
+            assert outcome[0] == "ok" and len(outcome) == 2, outcome
+            assert outcome[1].startswith("FloatingPointError: gradients are Nan/Inf in update 2 (skipped"), outcome
+            assert updates == 2
+        else:
+            assert outcome == ["FloatingPointError: gradients are Nan/Inf"], outcome
+            assert updates == 1

@@ -146,3 +146,44 @@ def fairseq(tool, args, nproc=None, check=True, timeout=300, stdin=None):
     if check:
         assert proc.returncode == 0, proc.stdout[-4000:]
     return proc.returncode, proc.stdout
+
+
+# ---------------------------------------------------------------- fairseq's trainer
+
+
+def build_trainer(save_dir, fused: bool, model_parallel_size: int = 1, extra_args=(), cpu: bool = True):
+    """fairseq's trainer as fairseq-train builds it (``MegatronTrainer`` at
+    model-parallel size > 1; the caller has started torch.distributed) for a
+    2 x 32 ``transformer_lm_megatron_11b`` with ``--bf16-autocast`` on
+    fairseq's dummy_lm task, and its batch iterator. ``fused`` puts our
+    FusedAdamW inside fairseq's Adam on CPU, where fairseq keeps its own
+    (on a GPU fairseq's lookup builds it for the fp32 weights)."""
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.model_parallel.megatron_trainer import MegatronTrainer
+    from fairseq.trainer import Trainer
+
+    from fairseq_megatron.fused_adam import FusedAdamW
+
+    os.makedirs(save_dir, exist_ok=True)  # fairseq-train creates it; crash.pt goes there
+    init_model_parallel(model_parallel_size, seed=3)
+    args = options.parse_args_and_arch(options.get_training_parser(), input_args=[
+        "--task", "dummy_lm", "--tokens-per-sample", "16", "--dict-size", "60", "--batch-size", "2",
+        "--arch", "transformer_lm_megatron_11b", "--decoder-layers", "2", "--decoder-embed-dim", "32",
+        "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4", "--bf16-autocast",
+        "--criterion", "vocab_parallel_cross_entropy", "--optimizer", "adam", "--lr", "1e-3",
+        "--clip-norm", "1.0", "--seed", "3", "--save-dir", str(save_dir),
+        "--model-parallel-size", str(model_parallel_size), *(["--cpu"] if cpu else []), *extra_args])
+    cfg = convert_namespace_to_omegaconf(args)
+    if model_parallel_size > 1:  # what fairseq's distributed_init adds
+        cfg.checkpoint.checkpoint_suffix = f"-model_part-{dist.get_rank()}"
+    task = tasks.setup_task(cfg.task)
+    trainer_cls = Trainer if model_parallel_size == 1 else MegatronTrainer  # as fairseq_cli/train.py chooses
+    trainer = trainer_cls(cfg, task, task.build_model(cfg.model), task.build_criterion(cfg.criterion))
+    wrapper = trainer.optimizer  # fairseq's FairseqAdam
+    if fused and cpu:
+        params = [p for group in wrapper._optimizer.param_groups for p in group["params"]]
+        wrapper._optimizer = FusedAdamW(params, lr=1e-3, betas=(0.9, 0.999))
+    task.load_dataset("train")
+    batches = trainer.get_train_iterator(epoch=1).next_epoch_itr(shuffle=False)
+    return trainer, batches

@@ -16,7 +16,7 @@ import traceback
 import pytest
 import torch
 
-from tests.helpers import run_distributed
+from tests.helpers import build_trainer, run_distributed
 
 # Reads that stay on the host on any device: the padding test of the batch
 # while it is still on the CPU (fairseq_integration step 11); fairseq's
@@ -26,43 +26,6 @@ from tests.helpers import run_distributed
 # update's kernel only (fused_adam._HostCopy).
 HOST_ONLY_READS = ("fairseq_integration.py:prepare_sample", "sinusoidal_positional_embedding.py:forward",
                    "fused_adam.py:read")
-
-
-def _trainer(save_dir, fused: bool, model_parallel_size: int = 1, extra_args=()):
-    """fairseq's trainer as fairseq-train builds it (``MegatronTrainer`` at
-    model-parallel size > 1), on fairseq's dummy_lm task, and its batch
-    iterator."""
-    import fairseq_megatron  # noqa: F401
-    from fairseq import options, tasks
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-    from fairseq.model_parallel.megatron_trainer import MegatronTrainer
-    from fairseq.trainer import Trainer
-
-    from fairseq_megatron.fused_adam import FusedAdamW
-    from tests.helpers import init_model_parallel
-
-    os.makedirs(save_dir, exist_ok=True)  # fairseq-train creates it; crash.pt goes there
-    init_model_parallel(model_parallel_size, seed=3)
-    args = options.parse_args_and_arch(options.get_training_parser(), input_args=[
-        "--task", "dummy_lm", "--tokens-per-sample", "16", "--dict-size", "60", "--batch-size", "2",
-        "--arch", "transformer_lm_megatron_11b", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-        "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4", "--bf16-autocast",
-        "--criterion", "vocab_parallel_cross_entropy", "--optimizer", "adam", "--lr", "1e-3",
-        "--clip-norm", "1.0", "--cpu", "--seed", "3", "--save-dir", str(save_dir),
-        "--model-parallel-size", str(model_parallel_size), *extra_args])
-    cfg = convert_namespace_to_omegaconf(args)
-    if model_parallel_size > 1:  # what fairseq's distributed_init adds
-        cfg.checkpoint.checkpoint_suffix = f"-model_part-{torch.distributed.get_rank()}"
-    task = tasks.setup_task(cfg.task)
-    trainer_cls = Trainer if model_parallel_size == 1 else MegatronTrainer  # as fairseq_cli/train.py chooses
-    trainer = trainer_cls(cfg, task, task.build_model(cfg.model), task.build_criterion(cfg.criterion))
-    wrapper = trainer.optimizer  # fairseq's FairseqAdam
-    if fused:  # what fairseq builds for fp32 weights on a GPU (on CPU it keeps its own Adam)
-        params = [p for group in wrapper._optimizer.param_groups for p in group["params"]]
-        wrapper._optimizer = FusedAdamW(params, lr=1e-3, betas=(0.9, 0.999))
-    task.load_dataset("train")
-    batches = trainer.get_train_iterator(epoch=1).next_epoch_itr(shuffle=False)
-    return trainer, batches
 
 
 def _reads_worker(rank, world_size, save_dir, extra_args):
@@ -87,7 +50,7 @@ def _reads_worker(rank, world_size, save_dir, extra_args):
             trainer.train_step([batch])
         return [s[-4:] for s in reads.sites if not any(f in frame for f in HOST_ONLY_READS for frame in s)]
 
-    trainer, batches = _trainer(save_dir, True, world_size, extra_args)
+    trainer, batches = build_trainer(save_dir, True, world_size, extra_args)
     trainer.train_step([next(batches)])  # the first step builds and warms up
     ours = unexpected_reads(trainer, next(batches))
     # Control: fairseq's own finiteness test restored (step 12 undone).
@@ -123,7 +86,7 @@ def test_a_training_step_reads_nothing_from_the_device(tmp_path, model_parallel_
 
 
 def _nonfinite_worker(rank, world_size, save_dir, fused):
-    trainer, batches = _trainer(save_dir, fused, world_size)
+    trainer, batches = build_trainer(save_dir, fused, world_size)
     model = trainer.get_model()
     inject = {"on": False}
     first = next(model.parameters())

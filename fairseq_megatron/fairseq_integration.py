@@ -82,7 +82,8 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    the kernel now skips such an update on the device, and the error is
    raised at the next update (or when a checkpoint would be saved) with the
    number of the update skipped. ``--fp16`` and ``--amp`` keep fairseq's
-   test: their loss scaler reads the norm anyway.
+   test: their loss scaler reads the norm anyway; with several data-parallel
+   groups, fairseq's check that they all got the same norm still reads it.
 """
 
 import atexit

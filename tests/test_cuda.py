@@ -83,12 +83,12 @@ def test_fused_adamw_skips_a_nonfinite_update_on_the_gpu():
     assert optimizer.state[p]["step"].item() == 1
 
 
-def _step_without_sync(rank, world_size, save_dir):
+def _step_without_sync(rank, world_size, save_dir, extra_args):
     from fairseq_megatron.fused_adam import FusedAdamW
 
-    trainer, batches = build_trainer(save_dir, fused=False, cpu=False)
+    trainer, batches = build_trainer(save_dir, fused=False, extra_args=extra_args, cpu=False)
     picked = type(trainer.optimizer._optimizer).__name__
-    for _ in range(2):  # warm-up: the first steps build, allocate and empty caches
+    for _ in range(4):  # warm-up: the first steps build, compile, record graphs, empty caches
         trainer.train_step([next(batches)])
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -100,6 +100,8 @@ def _step_without_sync(rank, world_size, save_dir):
     return picked, FusedAdamW.__name__
 
 
-def test_a_training_step_never_synchronizes(tmp_path):
-    picked, expected = run_distributed(_step_without_sync, 1, tmp_path, str(tmp_path / "ckpt"))[0]
+@pytest.mark.parametrize("extra_args", [[], ["--compile-layers"], ["--compile-layers", "--cuda-graphs"]],
+                         ids=["eager", "compiled-stack", "cuda-graphs"])
+def test_a_training_step_never_synchronizes(tmp_path, extra_args):
+    picked, expected = run_distributed(_step_without_sync, 1, tmp_path, str(tmp_path / "ckpt"), extra_args)[0]
     assert picked == expected

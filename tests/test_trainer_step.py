@@ -7,7 +7,10 @@ On a GPU every host read of a device tensor (``bool(t)``, ``t.item()``)
 waits for all queued work. On CPU nothing waits, but the reads are still
 visible: ``aten._local_scalar_dense`` is where every one of them goes, and a
 dispatch mode records each with its Python stack. The step runs in a spawned
-process of world size 1 (checked), as fairseq-train would.
+process of world size 1 (checked), as fairseq-train would. Not covered
+here: ``--compile-layers`` (torch.compile runs the code eagerly while a
+dispatch mode is active, so such a case would only repeat the eager one);
+tests/test_cuda.py checks that path on a GPU with torch's sync debug mode.
 """
 
 import os

@@ -51,6 +51,11 @@ class FusedAdamW(torch.optim.AdamW):
         self._found_inf = None  # 0-dim fp32 on the device (1.0: skip), for the next step()
         self._last_step_skipped = None  # _HostCopy of the last step's found_inf
 
+    @property
+    def _device(self) -> torch.device:
+        """Where the parameters (and so the fused kernel's scalars) live."""
+        return self.param_groups[0]["params"][0].device
+
     def multiply_grads(self, c) -> None:
         """Multiply every gradient by ``c`` (float or 0-dim tensor), lazily."""
         self._grad_factor = self._grad_factor * c
@@ -86,8 +91,7 @@ class FusedAdamW(torch.optim.AdamW):
         outcome travels to the host while the GPU works on, and
         :meth:`last_step_skipped` reads it (fairseq_integration step 12 raises
         fairseq's FloatingPointError one update later)."""
-        device = self.param_groups[0]["params"][0].device
-        self._found_inf = torch.isfinite(grad_norm).logical_not().to(device=device, dtype=torch.float32).reshape(())
+        self._found_inf = torch.isfinite(grad_norm).logical_not().to(device=self._device, dtype=torch.float32).reshape(())
 
     def last_step_skipped(self) -> bool:
         """Whether the last :meth:`step` was skipped for a non-finite
@@ -106,11 +110,10 @@ class FusedAdamW(torch.optim.AdamW):
         self.found_inf = found_inf  # read by torch's AdamW.step, like grad_scale
         divisor = scale / self._grad_factor
         if torch.is_tensor(divisor) or divisor != 1.0:
-            device = self.param_groups[0]["params"][0].device
             if torch.is_tensor(divisor):
-                self.grad_scale = divisor.to(device=device, dtype=torch.float32).reshape(())
+                self.grad_scale = divisor.to(device=self._device, dtype=torch.float32).reshape(())
             else:  # filled on the device: no host-to-device copy, which would wait for the GPU
-                self.grad_scale = torch.full((), divisor, dtype=torch.float32, device=device)
+                self.grad_scale = torch.full((), divisor, dtype=torch.float32, device=self._device)
         try:
             loss = super().step(closure)
         finally:

@@ -10,7 +10,8 @@ own, non-parallel ``transformer_lm``.
 Memory: inputs are memory-mapped (``torch.load(mmap=True)``) and reopened for
 every layer, so only the layer being copied is resident; the output parts are
 built and written one at a time. Peak RSS is about one output part plus one
-layer of the input (see ``scripts/benchmark_reshard.py``).
+layer of the input (see ``scripts/benchmark_reshard.py``). Files in torch's
+legacy format (before PyTorch 1.6) cannot be mapped and are read whole.
 
 Safety: inputs are never overwritten; every output is written to
 ``<name>.tmp``, verified by re-reading it and comparing a checksum per tensor
@@ -25,6 +26,7 @@ import glob
 import hashlib
 import os
 import re
+import zipfile
 from argparse import Namespace
 from collections import OrderedDict
 from typing import Callable, Dict, Iterable, List, Optional
@@ -126,14 +128,20 @@ def check_divisible(config, padded_vocab_size: int, size: int) -> None:
 # ------------------------------------------------------------------ reading
 
 
-def _load(path: str) -> dict:
+def _load(path: str, mmap: bool = True) -> dict:
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as e:  # truncated zip, not a torch file, ...
         raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from None
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise CheckpointError(f"{path} is not a fairseq checkpoint (no 'model' entry)")
     return state
+
+
+def _can_be_memory_mapped(path: str) -> bool:
+    """False for files that ``torch.save`` wrote before PyTorch 1.6 (the
+    legacy format, not a zip archive): ``torch.load(mmap=True)`` refuses them."""
+    return zipfile.is_zipfile(path)
 
 
 class PartFiles:
@@ -142,6 +150,10 @@ class PartFiles:
     :meth:`models` maps every part and returns their model state dicts; the
     caller drops them (and calls :meth:`release`) when done, which unmaps
     the files, so pages read for one layer do not stay resident.
+
+    Files in torch's legacy format (saved before PyTorch 1.6, as checkpoints
+    of 2019-2020 may be) cannot be mapped: they are read once, whole, and
+    kept, so memory then holds the whole input.
 
     Raises (on construction):
         FileNotFoundError / CheckpointError: missing, truncated or foreign
@@ -152,11 +164,16 @@ class PartFiles:
     def __init__(self, path: str):
         self.path = path
         self.files = find_part_files(path)
-        first = _load(self.files[0])
+        self.mmap = all(_can_be_memory_mapped(f) for f in self.files)
+        first = _load(self.files[0], self.mmap)
         self.keys = list(first["model"].keys())
+        loaded = [first["model"]]
         for f in self.files[1:]:
-            if list(_load(f)["model"].keys()) != self.keys:
+            loaded.append(_load(f, self.mmap)["model"])
+            if list(loaded[-1].keys()) != self.keys:
                 raise CheckpointError(f"{f} holds different tensors than {self.files[0]}")
+        self._kept = None if self.mmap else loaded
+        del loaded
         self.metadata = {k: v for k, v in first.items() if k != "model"}
         self.aliases = tied_keys(first["model"])
         recorded = int(config_value(model_config(first), "model_parallel_size", 1) or 1)
@@ -171,6 +188,8 @@ class PartFiles:
         return len(self.files)
 
     def models(self) -> List[Dict[str, torch.Tensor]]:
+        if self._kept is not None:
+            return list(self._kept)
         return [_load(f)["model"] for f in self.files]
 
     @staticmethod
@@ -285,6 +304,16 @@ def _prepare(input_path: str, outputs: List[str]) -> PartFiles:
     return parts
 
 
+def _part_state(parts: PartFiles, rank: int, size: int, check_replicas: bool,
+                progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Checkpoint dict of model part ``rank`` of ``size``: weights, config
+    recording the new size and padded vocabulary, no training state."""
+    state = _training_free_metadata(parts.metadata)
+    state["model"] = _model_part(parts, rank, size, check_replicas, progress)
+    set_model_parallel_size(state, size, parts.padded_vocab_size)
+    return state
+
+
 def reshard(input_path: str, output_path: str, new_size: int, verify: bool = True,
             progress: Optional[Callable[[str], None]] = None) -> List[str]:
     """Rewrite checkpoint ``input_path`` (any model-parallel size) for size ``new_size``.
@@ -305,9 +334,7 @@ def reshard(input_path: str, output_path: str, new_size: int, verify: bool = Tru
     check_divisible(model_config(parts.metadata), parts.padded_vocab_size, new_size)
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
     for rank, out in enumerate(outputs):
-        state = _training_free_metadata(parts.metadata)
-        state["model"] = _model_part(parts, rank, new_size, check_replicas=(rank == 0), progress=progress)
-        set_model_parallel_size(state, new_size, parts.padded_vocab_size)
+        state = _part_state(parts, rank, new_size, check_replicas=(rank == 0), progress=progress)
         _save_verified(state, out, verify)
         del state
         parts.release()

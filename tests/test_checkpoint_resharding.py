@@ -39,11 +39,12 @@ def _build(size, args=None, seed=0):
     return model, args
 
 
-def save_checkpoint(path, num_parts, style="cfg", seed=0):
+def save_checkpoint(path, num_parts, style="cfg", seed=0, legacy_format=False):
     """A checkpoint as fairseq-train writes it at ``num_parts`` model parts.
 
     The weights come from a model built at size 2 in this process (so the
     vocabulary is padded to 64 = a multiple of 16), split into parts.
+    ``legacy_format``: saved as PyTorch < 1.6 did (not a zip archive).
     """
     import fairseq_megatron.parallel_state as ps
 
@@ -68,7 +69,7 @@ def save_checkpoint(path, num_parts, style="cfg", seed=0):
             state["cfg"] = {"common": {"model_parallel_size": num_parts}, "model": Namespace(**vars(args))}
         else:
             state["args"] = Namespace(**vars(args))
-        torch.save(state, out)
+        torch.save(state, out, _use_new_zipfile_serialization=not legacy_format)
     return full
 
 
@@ -101,6 +102,25 @@ def test_round_trip_2_1_4_2_is_bitwise_identical(tmp_path, style):
     assert model["decoder.embed_tokens.weight"].shape == (64, 32)
     # the tied output projection is saved as the same tensor, not a copy
     assert model["decoder.output_projection.weight"].data_ptr() == model["decoder.embed_tokens.weight"].data_ptr()
+
+
+def test_parts_in_the_legacy_format_reshard_like_zip_files(tmp_path):
+    """Checkpoints saved before PyTorch 1.6 are not zip archives and cannot be
+    memory-mapped; they are read whole and give the same parts, bitwise."""
+    outputs = {}
+    for legacy in (False, True):
+        src = str(tmp_path / f"src{legacy}" / "model.pt")
+        os.makedirs(os.path.dirname(src))
+        save_checkpoint(src, 2, legacy_format=legacy)
+        assert PartFiles(src).mmap is not legacy
+        out = str(tmp_path / f"four{legacy}" / "model.pt")
+        assert len(reshard(src, out, 4)) == 4
+        outputs[legacy] = _models(out)
+    assert len(outputs[True]) == 4
+    for zipped, legacy in zip(outputs[False], outputs[True]):
+        assert list(zipped) == list(legacy)
+        for key in zipped:
+            assert torch.equal(zipped[key], legacy[key]), key
 
 
 def _logits_worker(rank, world_size, path, tokens):

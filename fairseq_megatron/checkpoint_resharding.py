@@ -29,7 +29,7 @@ import re
 import zipfile
 from argparse import Namespace
 from collections import OrderedDict
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -144,6 +144,17 @@ def _can_be_memory_mapped(path: str) -> bool:
     return zipfile.is_zipfile(path)
 
 
+def read_checkpoint(path: str) -> dict:
+    """``torch.load`` of one checkpoint file to CPU, memory-mapped unless it is
+    in the legacy format.
+
+    Raises:
+        CheckpointError: unreadable (truncated, not a torch file) or not a
+            fairseq checkpoint.
+    """
+    return _load(path, mmap=_can_be_memory_mapped(path))
+
+
 class PartFiles:
     """The part files of one checkpoint, memory-mapped on demand.
 
@@ -177,6 +188,11 @@ class PartFiles:
         self.metadata = {k: v for k, v in first.items() if k != "model"}
         self.aliases = tied_keys(first["model"])
         recorded = int(config_value(model_config(first), "model_parallel_size", 1) or 1)
+        if self.files[0] != path and recorded > len(self.files):  # the last parts are missing
+            raise CheckpointError(
+                f"model part file {part_path(path, len(self.files))} is missing: {path} was saved at "
+                f"model-parallel size {recorded}"
+            )
         if recorded != len(self.files):
             raise CheckpointError(
                 f"{path}: the checkpoint was saved at model-parallel size {recorded} but "
@@ -312,6 +328,27 @@ def _part_state(parts: PartFiles, rank: int, size: int, check_replicas: bool,
     state["model"] = _model_part(parts, rank, size, check_replicas, progress)
     set_model_parallel_size(state, size, parts.padded_vocab_size)
     return state
+
+
+def resharded_model(input_path: str, rank: int, size: int) -> Tuple[Dict[str, torch.Tensor], int]:
+    """The model state dict of part ``rank`` of ``size``, built in memory from
+    checkpoint ``input_path`` saved at any model-parallel size, and the padded
+    vocabulary size a model must be built with to take it (record it with
+    :func:`set_model_parallel_size`). The same tensors :func:`reshard` would
+    write; nothing is written to disk. Memory: this part's tensors plus one
+    memory-mapped layer of the input.
+
+    Raises:
+        FileNotFoundError / CheckpointError: as :func:`reshard`, or a
+            ``rank`` outside ``[0, size)``.
+    """
+    parts = PartFiles(input_path)
+    check_divisible(model_config(parts.metadata), parts.padded_vocab_size, size)
+    if not 0 <= rank < size:
+        raise CheckpointError(f"model part {rank} does not exist at model-parallel size {size}")
+    model = _model_part(parts, rank, size, check_replicas=True, progress=None)
+    parts.release()
+    return model, parts.padded_vocab_size
 
 
 def reshard(input_path: str, output_path: str, new_size: int, verify: bool = True,

@@ -84,6 +84,15 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    number of the update skipped. ``--fp16`` and ``--amp`` keep fairseq's
    test: their loss scaler reads the norm anyway; with several data-parallel
    groups, fairseq's check that they all got the same norm still reads it.
+13. :func:`_checkpoints_at_another_model_parallel_size` -- fairseq loads
+   only the file of its own model-parallel size (``model.pt`` at size 1,
+   ``model-model_part-K.pt`` above), so a checkpoint saved at another size
+   was "Model file not found". fairseq-eval-lm, fairseq-generate,
+   fairseq-interactive and the hub interface now build each rank's part in
+   memory from the parts that exist (the 8 published Megatron-11b parts on
+   one GPU, say; :func:`fairseq_megatron.checkpoint_resharding.resharded_model`).
+   fairseq-train resuming in a save dir whose checkpoint has another size
+   silently started from scratch; it now stops and says how to reshard.
 """
 
 import atexit
@@ -122,6 +131,7 @@ def install() -> None:
     _quiet_prefetch_threads_at_exit()
     _padding_known_on_the_host()
     _nonfinite_gradients_skipped_on_the_device()
+    _checkpoints_at_another_model_parallel_size()
     _INSTALLED = True
 
 
@@ -619,3 +629,99 @@ def _nonfinite_gradients_skipped_on_the_device() -> None:
     for cls in (trainer_module.Trainer, MegatronTrainer):
         cls.clip_grad_norm = checked_on_the_device(cls.__dict__["clip_grad_norm"])
     trainer_module.torch = _TorchWithNormsCheckedOnTheDevice()
+
+
+def _is_model_parallel_lm(state: dict) -> bool:
+    """Whether checkpoint ``state`` holds one of our architectures."""
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    from fairseq_megatron.checkpoint_resharding import config_value, model_config
+    from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
+
+    config = model_config(state)
+    arch = config_value(config, "_name") or config_value(config, "arch")
+    return isinstance(arch, str) and issubclass(
+        ARCH_MODEL_REGISTRY.get(arch, type(None)), ModelParallelTransformerLanguageModel)
+
+
+def _checkpoints_at_another_model_parallel_size() -> None:
+    from fairseq import checkpoint_utils
+    from fairseq.file_io import PathManager
+    from fairseq.trainer import Trainer
+
+    from fairseq_megatron import parallel_state
+    from fairseq_megatron.checkpoint_resharding import find_part_files, resharded_model, set_model_parallel_size
+    from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
+
+    original_load = checkpoint_utils.load_model_ensemble_and_task
+
+    def resharded_state(path: str, arg_overrides):
+        """This rank's part of checkpoint ``path``, saved at another
+        model-parallel size, as fairseq's ``load_checkpoint_to_cpu`` returns a
+        state (``arg_overrides`` applied, old formats upgraded); with the file
+        it was read from. None where fairseq's own loading applies: ``path``
+        saved at this size (or a part missing, which fairseq names), or not
+        one of our checkpoints."""
+        size = parallel_state.get_tensor_model_parallel_world_size()
+        if size == 1 and PathManager.exists(path):
+            return None
+        try:
+            files = find_part_files(path)
+        except FileNotFoundError:
+            return None
+        if len(files) == size:
+            return None
+        state = checkpoint_utils.load_checkpoint_to_cpu(files[0], arg_overrides)
+        if not _is_model_parallel_lm(state):
+            return None
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        logger.info(f"{path}: {len(files)} model part(s), loaded at model-parallel size {size}: "
+                    f"part {rank} resharded in memory")
+        state["model"] = None  # free part 0 before building this rank's part
+        state["model"], padded_vocab_size = resharded_model(path, rank, size)
+        set_model_parallel_size(state, size, padded_vocab_size)
+        state.pop("last_optimizer_state", None)  # another size's optimizer state; unused here
+        return files[0], state
+
+    @functools.wraps(original_load)
+    def load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, strict=True, suffix="",
+                                     num_shards=1, state=None):
+        if state is not None or num_shards != 1:
+            return original_load(filenames, arg_overrides, task, strict, suffix, num_shards, state)
+        ensemble, cfg = [], None
+        for filename in filenames:
+            resharded = resharded_state(filename, arg_overrides)
+            if resharded is None:
+                models, cfg, task = original_load([filename], arg_overrides, task, strict, suffix, num_shards)
+            else:
+                # fairseq checks that a file of the given name exists, then uses the state given.
+                source, part_state = resharded
+                models, cfg, task = original_load([source], arg_overrides, task, strict, "", 1, part_state)
+            ensemble.extend(models)
+        return ensemble, cfg, task
+
+    checkpoint_utils.load_model_ensemble_and_task = load_model_ensemble_and_task
+
+    original_resume = Trainer.load_checkpoint
+
+    @functools.wraps(original_resume)
+    def load_checkpoint(self, filename, *args, **kwargs):
+        suffix = self.checkpoint_suffix + ".pt"
+        if (isinstance(self.get_model(), ModelParallelTransformerLanguageModel)
+                and not PathManager.isfile(filename) and filename.endswith(suffix)):
+            path = filename[: -len(suffix)] + ".pt"
+            size = parallel_state.get_tensor_model_parallel_world_size()
+            try:
+                saved = len(find_part_files(path))
+            except FileNotFoundError:
+                saved = size  # no checkpoint at all: fairseq starts from scratch
+            if saved != size:
+                raise ValueError(
+                    f"{path} was saved at model-parallel size {saved}, this run has size {size}: resume "
+                    f"with --model-parallel-size {saved}, or reshard the weights (fairseq-megatron-reshard "
+                    f"--input {path} --output NEW.pt --model-parallel-size {size}) and train with "
+                    f"--restore-file NEW.pt --reset-optimizer"
+                )
+        return original_resume(self, filename, *args, **kwargs)
+
+    Trainer.load_checkpoint = load_checkpoint

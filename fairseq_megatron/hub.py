@@ -21,6 +21,7 @@ from fairseq import checkpoint_utils
 from fairseq.hub_utils import GeneratorHubInterface
 
 from fairseq_megatron import parallel_state
+from fairseq_megatron.checkpoint_resharding import find_part_files
 from fairseq_megatron.rng_tracker import model_parallel_manual_seed
 
 
@@ -69,7 +70,11 @@ def from_pretrained(
 
     Raises:
         ValueError: the world size is not divisible by ``model_parallel_size``.
-        FileNotFoundError: this rank's part file does not exist.
+        FileNotFoundError: no checkpoint ``path``, whole or in parts.
+        CheckpointError: parts missing or from different checkpoints, or a
+            size that does not divide the model (a checkpoint saved at another
+            size is resharded in memory as it loads; see
+            :func:`fairseq_megatron.checkpoint_resharding.resharded_model`).
     """
     init_distributed_from_env()
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -79,9 +84,7 @@ def from_pretrained(
     if size > 1:
         model_parallel_manual_seed(seed)
     suffix = f"-model_part-{parallel_state.get_tensor_model_parallel_rank()}" if size > 1 else ""
-    part = path[: -len(".pt")] + suffix + ".pt"
-    if not os.path.exists(part):
-        raise FileNotFoundError(f"model part file {part} not found")
+    find_part_files(path)  # some checkpoint of that name exists, at whatever size
 
     arg_overrides = {"data": data or os.path.dirname(os.path.abspath(path)), **overrides}
     models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(

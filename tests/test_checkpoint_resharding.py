@@ -21,6 +21,7 @@ from fairseq_megatron.checkpoint_resharding import (
     output_paths,
     part_path,
     reshard,
+    resharded_model,
 )
 from fairseq_megatron.cli import reshard_checkpoint
 from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
@@ -121,6 +122,32 @@ def test_parts_in_the_legacy_format_reshard_like_zip_files(tmp_path):
         assert list(zipped) == list(legacy)
         for key in zipped:
             assert torch.equal(zipped[key], legacy[key]), key
+
+
+def test_parts_built_in_memory_equal_the_files_reshard_writes(tmp_path):
+    src = str(tmp_path / "src" / "model.pt")
+    os.makedirs(os.path.dirname(src))
+    save_checkpoint(src, 2)
+    listing = sorted(os.listdir(os.path.dirname(src)))
+    for size in (1, 4):
+        out = str(tmp_path / f"mp{size}" / "model.pt")
+        reshard(src, out, size)
+        written = _models(out)
+        for rank in range(size):
+            model, padded_vocab_size = resharded_model(src, rank, size)
+            assert padded_vocab_size == 64
+            assert list(model) == list(written[rank])
+            for key in model:
+                assert torch.equal(model[key], written[rank][key]), key
+    assert sorted(os.listdir(os.path.dirname(src))) == listing
+    with pytest.raises(CheckpointError, match="model-parallel size 3 does not divide the attention heads"):
+        resharded_model(src, 0, 3)
+    with pytest.raises(CheckpointError, match="model part 4 does not exist at model-parallel size 4"):
+        resharded_model(src, 4, 4)
+    os.remove(part_path(src, 1))
+    with pytest.raises(CheckpointError, match=f"model part file {part_path(src, 1)} is missing: {src} was saved "
+                                              "at model-parallel size 2"):
+        resharded_model(src, 0, 1)
 
 
 def _logits_worker(rank, world_size, path, tokens):
@@ -240,7 +267,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     # missing part
     os.remove(part_path(path, 1))
     rc, err = run("--model-parallel-size", "1")
-    assert (rc, err) == (1, f"error: {path}: the checkpoint was saved at model-parallel size 2 but 1 part file(s) exist")
+    assert (rc, err) == (1, f"error: model part file {part_path(path, 1)} is missing: {path} was saved at "
+                            "model-parallel size 2")
     os.remove(part_path(path, 0))
     rc, err = run("--model-parallel-size", "1")
     assert rc == 1 and err.startswith("error: no checkpoint")

@@ -112,6 +112,69 @@ def test_eval_lm_size_2_equals_size_1_on_same_weights(trained):
     assert abs(eval_loss(out2) - eval_loss(out1)) <= 2e-4, (eval_loss(out2), eval_loss(out1))
 
 
+def _listing(directory):
+    """``{name: (size, mtime_ns)}`` of the files in ``directory``."""
+    return {e.name: (e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(directory)}
+
+
+def test_eval_lm_loads_a_checkpoint_saved_at_another_size(trained, tmp_path):
+    """fairseq-eval-lm at model-parallel size 1 on the 2 part files (also
+    written as an old checkpoint), and at size 2 on one merged file: each
+    rank's part is built in memory (fairseq alone: "Model file not found"),
+    nothing is written, and the loss is the loss at the size the files were
+    saved at."""
+    path = os.path.join(trained["ckpt"], "checkpoint_last.pt")
+    _, saved_size = fairseq("eval_lm", eval_args(trained["data"], path, 2), nproc=2)
+    before = _listing(trained["ckpt"])
+    _, from_parts = fairseq("eval_lm", eval_args(trained["data"], path, 1))
+    assert _listing(trained["ckpt"]) == before
+    assert "2 model part(s), loaded at model-parallel size 1: part 0 resharded in memory" in from_parts
+
+    merged = str(tmp_path / "model.pt")
+    reshard(path, merged, 1)
+    _, from_one_file = fairseq("eval_lm", eval_args(trained["data"], merged, 2), nproc=2)
+    assert os.listdir(tmp_path) == ["model.pt"]
+    assert "1 model part(s), loaded at model-parallel size 2: part 0 resharded in memory" in from_one_file
+
+    # The same parts as a 2020 checkpoint such as the published Megatron-11b:
+    # argparse ``args`` instead of ``cfg``, torch's pre-1.6 file format.
+    from fairseq import options
+
+    args = options.parse_args_and_arch(options.get_training_parser(),
+                                       train_args(trained["data"], trained["ckpt"], max_update=4))
+    old = tmp_path / "old"
+    old.mkdir()
+    for rank in range(2):
+        state = torch.load(os.path.join(trained["ckpt"], f"checkpoint_last-model_part-{rank}.pt"), weights_only=False)
+        state["args"], state["cfg"] = args, None
+        torch.save(state, old / f"model-model_part-{rank}.pt", _use_new_zipfile_serialization=False)
+    _, from_old_parts = fairseq("eval_lm", eval_args(trained["data"], str(old / "model.pt"), 1))
+    assert "2 model part(s), loaded at model-parallel size 1" in from_old_parts
+
+    for out in (from_parts, from_one_file, from_old_parts):
+        assert evaluated_tokens(out) == evaluated_tokens(saved_size)
+        # eval-lm prints 4 decimals; fp32 reordering across shards is ~1e-6.
+        assert abs(eval_loss(out) - eval_loss(saved_size)) <= 2e-4, (eval_loss(out), eval_loss(saved_size))
+
+
+def test_resuming_at_another_size_stops_instead_of_starting_over(trained, tmp_path):
+    """fairseq-train at size 1 in a save dir holding a size-2 checkpoint_last:
+    fairseq would not find checkpoint_last.pt and train from scratch; the run
+    stops before training, says how to reshard, and leaves the files alone."""
+    for name in ("checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt"):
+        shutil.copy(os.path.join(trained["ckpt"], name), tmp_path)
+    before = _listing(tmp_path)
+    args = train_args(trained["data"], str(tmp_path), max_update=9)
+    args[args.index("--model-parallel-size") + 1] = "1"
+    args[args.index("--criterion") + 1] = "cross_entropy"
+    rc, out = fairseq("train", args, check=False)
+    assert rc != 0
+    assert ("checkpoint_last.pt was saved at model-parallel size 2, this run has size 1: resume with "
+            "--model-parallel-size 2, or reshard the weights") in out, out[-3000:]
+    assert "num_updates" not in out  # no update ran
+    assert _listing(tmp_path) == before
+
+
 def test_export_evaluates_in_stock_fairseq_without_user_dir(trained):
     path = os.path.join(trained["ckpt"], "checkpoint_last.pt")
     _, ours = fairseq("eval_lm", eval_args(trained["data"], path, 2), nproc=2)
@@ -196,10 +259,9 @@ with open(f"{sys.argv[3]}/rank{rank}.txt", "w") as f:  # one file per rank: stdo
 def test_hub_interface_in_a_world_of_2(trained, tmp_path, model_parallel_size):
     """Two processes under torchrun: one model in two parts, or (size 1) a
     whole model on each rank, which failed to build before the plugin gave
-    each rank a model-parallel group of one."""
+    each rank a model-parallel group of one; at size 1 each rank merges the
+    two part files in memory."""
     path = os.path.join(trained["ckpt"], "checkpoint_last.pt")
-    if model_parallel_size == 1:
-        path = reshard(path, str(tmp_path / "merged" / "model.pt"), 1)[0]
     script = str(tmp_path / "hub_script.py")
     out_dir = tmp_path / "hub_out"
     out_dir.mkdir()

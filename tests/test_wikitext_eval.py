@@ -217,6 +217,16 @@ def test_whole_pipeline_end_to_end(gpt2_files, small_megatron, tmp_path, capsys)
     for key in ("unnormalized perplexity ", "renormalized perplexity "):
         assert float(again.split(key)[1].split()[0]) == pytest.approx(float(out.split(key)[1].split()[0]), abs=0.011)
 
+    # Third run, one process at model-parallel size 1 on the same 2 part
+    # files (as the 8 published parts on one GPU): eval-lm builds the whole
+    # model in memory; same perplexity, same tolerance.
+    assert eval_wikitext103.main(_args(gpt2_files, small_megatron, work, **{"--model-parallel-size": 1})) == 0
+    merged = capsys.readouterr().out
+    assert "model-parallel size 1, 1 data-parallel group(s)" in merged
+    assert f"over {expected_new:,} BPE tokens" in merged
+    for key in ("unnormalized perplexity ", "renormalized perplexity "):
+        assert float(merged.split(key)[1].split()[0]) == pytest.approx(float(out.split(key)[1].split()[0]), abs=0.011)
+
 
 def test_bad_inputs_give_one_error_line(gpt2_files, small_megatron, tmp_path, capsys):
     def run(**changes):
@@ -227,8 +237,8 @@ def test_bad_inputs_give_one_error_line(gpt2_files, small_megatron, tmp_path, ca
     rc, err = run(**{"--raw-dir": tmp_path / "nowhere"})
     assert rc == 1 and err.startswith("error: missing raw file: ") and len(err.splitlines()) == 1
 
-    rc, err = run(**{"--model-parallel-size": 4})
-    assert rc == 1 and "has 2 model part file(s) but --model-parallel-size is 4" in err
+    rc, err = run(**{"--model-parallel-size": 3})
+    assert rc == 1 and err == "error: model-parallel size 3 does not divide the attention heads (4)"
 
     rc, err = run(**{"--gpus": 3})
     assert rc == 1 and err == "error: --gpus 3 is not a multiple of --model-parallel-size 2"

@@ -12,8 +12,10 @@ is complete; ``--force`` redoes them):
   2. GPT-2 BPE (empty lines dropped)                    -> ``<work>/wiki.<split>.bpe``
   3. binarize with the checkpoint's ``dict.txt``        -> ``<work>/bin/<split>.{bin,idx}``
   4. ``fairseq-eval-lm --path <checkpoint-dir>/model.pt --context-window 992``
-     (torchrun with ``--gpus`` processes, by default one per model part; more
-     form data-parallel groups that split the set, and the plugin sums their
+     (torchrun with ``--gpus`` processes, by default one per model part at
+     ``--model-parallel-size``; the checkpoint may have been saved at another
+     size, the parts are then built in memory; more processes form
+     data-parallel groups that split the set, and the plugin sums their
      scores into one perplexity)
 and prints the unnormalized perplexity over BPE tokens, the renormalized one
 over the original tokens and both token counts (see renormalize_ppl.py).
@@ -41,13 +43,19 @@ def check_inputs(args) -> dict:
     """Validate files and the checkpoint/dictionary/model-parallel-size match before any work.
 
     Raises:
-        InputError: a missing file, part files that do not match
-            ``--model-parallel-size``, ``--gpus`` not a multiple of it, or a
+        InputError: a missing or unreadable file, a ``--model-parallel-size``
+            that does not divide the model (any other size works: eval-lm
+            reshards in memory), ``--gpus`` not a multiple of it, or a
             dict.txt whose size does not match the checkpoint's embedding.
     """
-    import torch
-
-    from fairseq_megatron.checkpoint_resharding import config_value, find_part_files, model_config
+    from fairseq_megatron.checkpoint_layout import CheckpointError
+    from fairseq_megatron.checkpoint_resharding import (
+        check_divisible,
+        config_value,
+        find_part_files,
+        model_config,
+        read_checkpoint,
+    )
 
     paths = {
         "raw": os.path.join(args.raw_dir, f"wiki.{args.split}.raw"),
@@ -62,19 +70,12 @@ def check_inputs(args) -> dict:
         raise InputError(f"--gpus {args.gpus} is not a multiple of --model-parallel-size {args.model_parallel_size}")
     try:
         parts = find_part_files(paths["checkpoint"])
-    except FileNotFoundError as e:
+        state = read_checkpoint(parts[0])
+        rows = state["model"]["decoder.embed_tokens.weight"].size(0) * len(parts)
+        # any size that divides the model: eval-lm builds each rank's part in memory
+        check_divisible(model_config(state), rows, args.model_parallel_size)
+    except (FileNotFoundError, CheckpointError) as e:
         raise InputError(str(e)) from None
-    if len(parts) != args.model_parallel_size:
-        raise InputError(
-            f"{args.checkpoint_dir} has {len(parts)} model part file(s) but --model-parallel-size is "
-            f"{args.model_parallel_size} (reshard with fairseq-megatron-reshard, or pass "
-            f"--model-parallel-size {len(parts)})"
-        )
-    try:
-        state = torch.load(parts[0], map_location="cpu", weights_only=False, mmap=True)
-    except Exception as e:
-        raise InputError(f"cannot read {parts[0]}: {type(e).__name__}: {e}") from None
-    rows = state["model"]["decoder.embed_tokens.weight"].size(0) * len(parts)
     with open(paths["dict"], encoding="utf-8") as f:
         symbols = 4 + sum(1 for line in f if line.strip())  # fairseq's 4 special symbols + one per line
     multiple = 8 * len(parts)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Peak memory and time of resharding a large generated checkpoint (8 -> 1 -> 8 parts).
+"""Peak memory and time of resharding a large generated checkpoint (8 -> 1 -> 8 parts, on disk and in memory).
 
     python scripts/benchmark_reshard.py --work-dir /tmp/reshard_bench [--layers 24 --hidden 2048]
 
@@ -11,6 +11,11 @@ processes and prints, for each, the wall time, the child's peak RSS
 ratio below 1.5: resharding must work on a machine with less RAM than the
 checkpoint. The interpreter with torch and fairseq imported is printed too
 (about 0.33 GB): it is a fixed cost, so the ratio of small outputs is higher.
+
+Then the in-memory path that fairseq-eval-lm and fairseq-generate take for a
+checkpoint of another size (``resharded_model``: one rank's part built from
+the 8 files, nothing written), next to ``torch.load`` of the merged file that
+the offline tool wrote, each in a fresh child process.
 """
 
 import argparse
@@ -127,6 +132,21 @@ def main(argv=None):
         ratio = peak / largest
         print(f"{label:>8} | {seconds:7.1f} | {peak / 1e9:11.2f} | {largest / 1e9:17.2f} | {ratio:5.2f} | "
               f"{'ok' if ratio < 1.5 else 'ABOVE TARGET'}")
+
+    python = [sys.executable, "-c"]
+    loads = [
+        ("torch.load of the merged file", f"import torch; torch.load({one!r}, weights_only=False)",
+         os.path.getsize(one)),
+    ]
+    for size in (1, 2):
+        loads.append((f"{args.parts} parts -> part 0 of {size} in memory",
+                      "from fairseq_megatron.checkpoint_resharding import resharded_model; "
+                      f"resharded_model({src!r}, 0, {size})", os.path.getsize(one) / size))
+    print()
+    print(f"{'load':>36} | {'time s':>7} | {'peak RSS GB':>11} | {'part GB':>7} | ratio")
+    for label, code, part_bytes in loads:
+        seconds, peak = timed_child([*python, code])
+        print(f"{label:>36} | {seconds:7.1f} | {peak / 1e9:11.2f} | {part_bytes / 1e9:7.2f} | {peak / part_bytes:5.2f}")
 
 
 if __name__ == "__main__":

@@ -100,6 +100,7 @@ import collections.abc
 import functools
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -683,6 +684,26 @@ def _checkpoints_at_another_model_parallel_size() -> None:
         state.pop("last_optimizer_state", None)  # another size's optimizer state; unused here
         return files[0], state
 
+    def refuse_one_part_as_path(path: str) -> None:
+        """``--path ckpt/model-model_part-0.pt`` names one part, not the
+        checkpoint (a common slip with the published Megatron-11b); loading
+        it failed with errors about model-parallel sizes that did not say so.
+
+        Raises:
+            ValueError: ``path`` names one part file of a checkpoint in parts.
+        """
+        m = re.fullmatch(r"(.*)-model_part-\d+\.pt", path)
+        if m is None:
+            return
+        checkpoint = m.group(1) + ".pt"
+        try:
+            num_parts = len(find_part_files(checkpoint))
+        except FileNotFoundError:
+            return
+        if num_parts > 1:
+            raise ValueError(f"--path {path} is one of {num_parts} model part files: pass the checkpoint's name, "
+                             f"--path {checkpoint} (fairseq adds -model_part-K for each rank)")
+
     @functools.wraps(original_load)
     def load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, strict=True, suffix="",
                                      num_shards=1, state=None):
@@ -690,6 +711,7 @@ def _checkpoints_at_another_model_parallel_size() -> None:
             return original_load(filenames, arg_overrides, task, strict, suffix, num_shards, state)
         ensemble, cfg = [], None
         for filename in filenames:
+            refuse_one_part_as_path(filename)
             resharded = resharded_state(filename, arg_overrides)
             if resharded is None:
                 models, cfg, task = original_load([filename], arg_overrides, task, strict, suffix, num_shards)

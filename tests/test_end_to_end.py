@@ -287,6 +287,16 @@ def test_missing_part_file_is_reported(trained):
     assert "checkpoint_last-model_part-1.pt" in out
 
 
+def test_one_part_file_as_path_is_refused(trained):
+    """--path naming a part file instead of the checkpoint (the slip users
+    make with the published model) is refused with the name to pass."""
+    part = os.path.join(trained["ckpt"], "checkpoint_last-model_part-0.pt")
+    rc, out = fairseq("eval_lm", eval_args(trained["data"], part, 1), check=False)
+    assert rc != 0
+    assert (f"--path {part} is one of 2 model part files: pass the checkpoint's name, "
+            f"--path {os.path.join(trained['ckpt'], 'checkpoint_last.pt')}") in out, out[-3000:]
+
+
 def test_world_size_not_divisible_by_model_parallel_size(trained):
     args = train_args(trained["data"], str(trained["root"] / "never"), max_update=1)
     rc, out = fairseq("train", args, nproc=3, check=False)

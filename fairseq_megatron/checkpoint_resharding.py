@@ -49,6 +49,14 @@ def part_path(path: str, rank: int) -> str:
     return path[: -len(".pt")] + PART_SUFFIX.format(rank) + ".pt"
 
 
+def checkpoint_of_part(path: str) -> Optional[str]:
+    """The checkpoint name that part file ``path`` belongs to
+    (``model-model_part-3.pt`` -> ``model.pt``), or None for a name without
+    the part suffix."""
+    m = re.fullmatch(r"(.*)" + re.escape(PART_SUFFIX.format("")) + r"\d+\.pt", path)
+    return m.group(1) + ".pt" if m else None
+
+
 def output_paths(path: str, num_parts: int) -> List[str]:
     """Where a checkpoint of ``num_parts`` parts named ``path`` lives (``path`` itself for 1)."""
     return [path] if num_parts == 1 else [part_path(path, r) for r in range(num_parts)]

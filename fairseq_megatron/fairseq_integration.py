@@ -100,7 +100,6 @@ import collections.abc
 import functools
 import logging
 import os
-import re
 import sys
 import threading
 import time
@@ -651,7 +650,12 @@ def _checkpoints_at_another_model_parallel_size() -> None:
     from fairseq.trainer import Trainer
 
     from fairseq_megatron import parallel_state
-    from fairseq_megatron.checkpoint_resharding import find_part_files, resharded_model, set_model_parallel_size
+    from fairseq_megatron.checkpoint_resharding import (
+        checkpoint_of_part,
+        find_part_files,
+        resharded_model,
+        set_model_parallel_size,
+    )
     from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
 
     original_load = checkpoint_utils.load_model_ensemble_and_task
@@ -661,8 +665,8 @@ def _checkpoints_at_another_model_parallel_size() -> None:
         model-parallel size, as fairseq's ``load_checkpoint_to_cpu`` returns a
         state (``arg_overrides`` applied, old formats upgraded); with the file
         it was read from. None where fairseq's own loading applies: ``path``
-        saved at this size (or a part missing, which fairseq names), or not
-        one of our checkpoints."""
+        saved at this size, a gap in the part numbers (fairseq names the
+        missing file), or not one of our checkpoints."""
         size = parallel_state.get_tensor_model_parallel_world_size()
         if size == 1 and PathManager.exists(path):
             return None
@@ -692,10 +696,9 @@ def _checkpoints_at_another_model_parallel_size() -> None:
         Raises:
             ValueError: ``path`` names one part file of a checkpoint in parts.
         """
-        m = re.fullmatch(r"(.*)-model_part-\d+\.pt", path)
-        if m is None:
+        checkpoint = checkpoint_of_part(path)
+        if checkpoint is None:
             return
-        checkpoint = m.group(1) + ".pt"
         try:
             num_parts = len(find_part_files(checkpoint))
         except FileNotFoundError:

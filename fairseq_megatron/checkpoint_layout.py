@@ -17,10 +17,13 @@ layers.N.fc2.weight                     row parallel        dim 1 (input)
 everything else (layer norms, row-     replicated          -- (equal in all parts)
 parallel biases, positions, version)
 ======================================  ==================  =====================
+
+An optimizer state tensor shaped like its parameter (Adam's moments) is
+split like the parameter (:func:`optimizer_state_per_parameter`).
 """
 
 import re
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -112,3 +115,70 @@ def slice_for_part(tensors: List[torch.Tensor], dim: int, part: int, num_parts: 
         if lo < hi:
             pieces.append(t.narrow(dim, lo - i * in_size, hi - lo))
     return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0].clone(memory_format=torch.contiguous_format)
+
+
+# ------------------------------------------------------------------ optimizer state
+
+# Model state-dict entries that are buffers, not parameters: the decoder's
+# format ``version`` and the sinusoidal positions' ``_float_tensor``.
+BUFFER_NAMES = ("version", "_float_tensor")
+
+
+def parameter_keys(keys: List[str], tied: Dict[str, str]) -> List[str]:
+    """The model keys that are parameters, in the order fairseq's trainer
+    hands them to the optimizer: ``model.parameters()`` is the state dict's
+    order without buffers and without tied duplicates (``tied``, as
+    :func:`tied_keys` returns it)."""
+    return [k for k in keys if k not in tied and k.rsplit(".", 1)[-1] not in BUFFER_NAMES]
+
+
+def optimizer_state_per_parameter(optimizer_state: dict, model: Dict[str, torch.Tensor],
+                                  keys: List[str], where: str) -> Tuple[Dict[str, dict], bool]:
+    """One model part's optimizer state (fairseq's ``last_optimizer_state``)
+    as ``{parameter key: {name: value}}``, every tensor viewed with its
+    parameter's shape, and whether the optimizer keeps one flat tensor.
+
+    Two layouts occur. One state entry per parameter: fairseq's and torch's
+    Adam on the parameters themselves (fp32, ``--bf16-autocast``, ``--amp``,
+    ``--memory-efficient-fp16``). One entry for a flat fp32 copy of all
+    parameters, concatenated in order: fairseq's ``FP16Optimizer``
+    (``--fp16``, ``fairseq/optim/fp16_optimizer.py``). A tensor with the
+    parameter's shape (Adam's ``exp_avg``, ``exp_avg_sq``) is split like the
+    parameter; 0-dim tensors and numbers (``step``) are the same for every
+    part.
+
+    Raises:
+        CheckpointError: the state's parameter count or sizes do not match
+            ``keys``, or it holds tensors of other shapes (Adafactor's
+            factored second moments, whose row statistics of a row-parallel
+            weight are per-part means and cannot be joined).
+    """
+    state = optimizer_state.get("state", {})
+    indices = [i for group in optimizer_state.get("param_groups", []) for i in group["params"]]
+    if len(indices) == len(keys):
+        per_key, flat = {k: dict(state.get(i, {})) for k, i in zip(keys, indices)}, False
+    elif len(indices) == 1 and len(keys) > 1:
+        entry, per_key, offset, flat = state.get(indices[0], {}), {k: {} for k in keys}, 0, True
+        total = sum(model[k].numel() for k in keys)
+        for name, value in entry.items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.numel() != total:
+                raise CheckpointError(f"{where}: flat optimizer state {name!r} has {value.numel()} elements, "
+                                      f"the parameters {total}")
+        for k in keys:
+            n = model[k].numel()
+            for name, value in entry.items():
+                flat_tensor = torch.is_tensor(value) and value.dim() > 0
+                per_key[k][name] = value.narrow(0, offset, n).view(model[k].shape) if flat_tensor else value
+            offset += n
+    else:
+        raise CheckpointError(f"{where}: the optimizer state is for {len(indices)} parameters, "
+                              f"the model has {len(keys)}")
+    for k, entries in per_key.items():
+        for name, value in entries.items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape != model[k].shape:
+                raise CheckpointError(
+                    f"{where}: optimizer state {name!r} of {k} has shape {tuple(value.shape)}, not the "
+                    f"parameter's {tuple(model[k].shape)}; only states shaped like their parameters "
+                    f"(Adam's moments) can be resharded"
+                )
+    return per_key, flat

@@ -20,6 +20,7 @@ Safety: inputs are never overwritten; every output is written to
 The split rules are in :mod:`fairseq_megatron.checkpoint_layout`.
 """
 
+import copy
 import dataclasses
 import gc
 import glob
@@ -33,7 +34,14 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from fairseq_megatron.checkpoint_layout import CheckpointError, partition_dim, slice_for_part, tied_keys
+from fairseq_megatron.checkpoint_layout import (
+    CheckpointError,
+    optimizer_state_per_parameter,
+    parameter_keys,
+    partition_dim,
+    slice_for_part,
+    tied_keys,
+)
 
 PART_SUFFIX = "-model_part-{}"
 EMBED_KEYS = ("decoder.embed_tokens.weight", "decoder.output_projection.weight")
@@ -172,7 +180,8 @@ class PartFiles:
 
     Files in torch's legacy format (saved before PyTorch 1.6, as checkpoints
     of 2019-2020 may be) cannot be mapped: they are read once, whole, and
-    kept, so memory then holds the whole input.
+    kept (their model state dicts, and with ``with_optimizer`` their whole
+    checkpoints), so memory then holds the input.
 
     Raises (on construction):
         FileNotFoundError / CheckpointError: missing, truncated or foreign
@@ -180,18 +189,24 @@ class PartFiles:
             from the model-parallel size the checkpoint records.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, with_optimizer: bool = False):
         self.path = path
         self.files = find_part_files(path)
         self.mmap = all(_can_be_memory_mapped(f) for f in self.files)
         first = _load(self.files[0], self.mmap)
         self.keys = list(first["model"].keys())
-        loaded = [first["model"]]
+        loaded = [first]
         for f in self.files[1:]:
-            loaded.append(_load(f, self.mmap)["model"])
-            if list(loaded[-1].keys()) != self.keys:
+            loaded.append(_load(f, self.mmap))
+            if list(loaded[-1]["model"].keys()) != self.keys:
                 raise CheckpointError(f"{f} holds different tensors than {self.files[0]}")
-        self._kept = None if self.mmap else loaded
+        for f, state in zip(self.files, loaded):
+            if with_optimizer and not state.get("last_optimizer_state"):
+                raise CheckpointError(f"{f} holds no optimizer state")
+        if self.mmap:
+            self._kept = None
+        else:
+            self._kept = loaded if with_optimizer else [{"model": state["model"]} for state in loaded]
         del loaded
         self.metadata = {k: v for k, v in first.items() if k != "model"}
         self.aliases = tied_keys(first["model"])
@@ -211,10 +226,14 @@ class PartFiles:
     def __len__(self):
         return len(self.files)
 
-    def models(self) -> List[Dict[str, torch.Tensor]]:
+    def checkpoints(self) -> List[dict]:
+        """Every part's checkpoint dict, tensors memory-mapped."""
         if self._kept is not None:
             return list(self._kept)
-        return [_load(f)["model"] for f in self.files]
+        return [_load(f) for f in self.files]
+
+    def models(self) -> List[Dict[str, torch.Tensor]]:
+        return [state["model"] for state in self.checkpoints()]
 
     @staticmethod
     def release() -> None:
@@ -245,19 +264,30 @@ def tensor_checksum(t: torch.Tensor) -> str:
 VERIFY_CHUNK_BYTES = 64 * 2**20
 
 
+def _checked_tensors(state: dict) -> Dict[str, torch.Tensor]:
+    """The tensors of a checkpoint that verification compares: the model's,
+    and the optimizer state's (named ``optimizer.<index>.<name>``)."""
+    tensors = {f"model.{k}": v for k, v in state["model"].items()}
+    for index, entries in (state.get("last_optimizer_state") or {}).get("state", {}).items():
+        for name, value in entries.items():
+            if torch.is_tensor(value):
+                tensors[f"optimizer.{index}.{name}"] = value
+    return tensors
+
+
 def _verify(path: str, expected: Dict[str, str]) -> None:
     """Re-read ``path`` and compare per-tensor checksums, mapping at most
     about VERIFY_CHUNK_BYTES of it at a time."""
     keys, i = list(expected), 0
     while i < len(keys):
-        model, budget = _load(path)["model"], 0
+        tensors, budget = _checked_tensors(_load(path)), 0
         while i < len(keys) and budget < VERIFY_CHUNK_BYTES:
             key = keys[i]
-            if key not in model or tensor_checksum(model[key]) != expected[key]:
+            if key not in tensors or tensor_checksum(tensors[key]) != expected[key]:
                 raise CheckpointError(f"verification of {path} failed at tensor {key}")
-            budget += model[key].nbytes
+            budget += tensors[key].nbytes
             i += 1
-        del model
+        del tensors
         gc.collect()
 
 
@@ -269,7 +299,7 @@ def _save_verified(state: dict, path: str, verify: bool) -> None:
     """
     tmp = path + ".tmp"
     try:
-        expected = {k: tensor_checksum(v) for k, v in state["model"].items()} if verify else None
+        expected = {k: tensor_checksum(v) for k, v in _checked_tensors(state).items()} if verify else None
         torch.save(state, tmp)
         state.clear()
         gc.collect()
@@ -279,6 +309,14 @@ def _save_verified(state: dict, path: str, verify: bool) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _check_replicas(what: str, tensors: List[torch.Tensor]) -> None:
+    for i, t in enumerate(tensors[1:], start=1):
+        if not torch.equal(t, tensors[0]):
+            raise CheckpointError(
+                f"{what} differs between model part 0 and part {i}: the parts come from different checkpoints"
+            )
 
 
 def _model_part(parts: PartFiles, rank: int, num_parts: int, check_replicas: bool,
@@ -293,12 +331,7 @@ def _model_part(parts: PartFiles, rank: int, num_parts: int, check_replicas: boo
             dim = partition_dim(key)
             if dim is None:
                 if check_replicas:
-                    for i, t in enumerate(tensors[1:], start=1):
-                        if not torch.equal(t, tensors[0]):
-                            raise CheckpointError(
-                                f"replicated tensor {key} differs between model part 0 and part {i}: "
-                                f"the parts come from different checkpoints"
-                            )
+                    _check_replicas(f"replicated tensor {key}", tensors)
                 out[key] = tensors[0].clone()
             else:
                 out[key] = slice_for_part(tensors, dim, rank, num_parts)
@@ -311,7 +344,84 @@ def _model_part(parts: PartFiles, rank: int, num_parts: int, check_replicas: boo
     return OrderedDict((k, out[k]) for k in parts.keys)
 
 
-def _training_free_metadata(metadata: dict) -> dict:
+def _is_per_element(value) -> bool:
+    """A state tensor with one value per parameter element (not 0-dim, not a number)."""
+    return torch.is_tensor(value) and value.dim() > 0
+
+
+def _optimizer_part(parts: PartFiles, rank: int, num_parts: int, check_replicas: bool,
+                    progress: Optional[Callable[[str], None]]) -> dict:
+    """The ``last_optimizer_state`` of model part ``rank`` of ``num_parts``,
+    built layer by layer like the weights: each state tensor shaped like its
+    parameter is split or joined as the parameter is; numbers and 0-dim
+    tensors (``step``), ``param_groups`` and the loss scale come from part 0.
+    A flat state (fairseq's ``FP16Optimizer``) stays flat, filled in place.
+
+    Raises:
+        CheckpointError: see :func:`optimizer_state_per_parameter`; a
+            replicated parameter's state differs between parts.
+    """
+    keys = parameter_keys(parts.keys, parts.aliases)
+    first = parts.checkpoints()[0]
+    _, flat = optimizer_state_per_parameter(first["last_optimizer_state"], first["model"], keys, parts.files[0])
+    offsets, total = {}, 0  # flat layout: where each parameter starts in the output part
+    for key in keys:
+        offsets[key] = total
+        total += _part_numel(first["model"][key], key, len(parts), num_parts)
+    del first
+    per_key: Dict[str, dict] = {}  # per parameter: its state (flat layout: the numbers only)
+    flat_out: Dict[str, torch.Tensor] = {}  # flat layout: one tensor per name, allocated at first use
+    for group in layer_groups(keys):  # the keys after the last layer join the group before it
+        checkpoints = parts.checkpoints()
+        views = [optimizer_state_per_parameter(state["last_optimizer_state"], state["model"], keys, f)[0]
+                 for f, state in zip(parts.files, checkpoints)]
+        for key in group:
+            dim = partition_dim(key)
+            entries = {}
+            for name, value in views[0][key].items():
+                if not _is_per_element(value):
+                    entries[name] = value.clone() if torch.is_tensor(value) else value
+                    continue
+                tensors = [view[key][name] for view in views]
+                if dim is None:
+                    if check_replicas:
+                        _check_replicas(f"optimizer state {name!r} of {key}", tensors)
+                    t = tensors[0].clone()
+                else:
+                    t = slice_for_part(tensors, dim, rank, num_parts)
+                if flat:
+                    if name not in flat_out:
+                        flat_out[name] = torch.empty(total, dtype=t.dtype)
+                    flat_out[name].narrow(0, offsets[key], t.numel()).copy_(t.reshape(-1))
+                else:
+                    entries[name] = t
+            per_key[key] = entries
+        del checkpoints, views
+        parts.release()
+        if progress:
+            progress(group[0])
+    source = parts.metadata["last_optimizer_state"]
+    out = {k: copy.deepcopy(v) for k, v in source.items() if k != "state"}
+    indices = [i for group in source["param_groups"] for i in group["params"]]
+    if flat:
+        entry = {**per_key[keys[0]], **flat_out}
+        out["state"] = {indices[0]: entry} if entry else {}
+    else:
+        out["state"] = {i: per_key[k] for i, k in zip(indices, keys) if per_key[k]}
+    return out
+
+
+def _part_numel(tensor: torch.Tensor, key: str, num_inputs: int, num_outputs: int) -> int:
+    """Elements of ``key`` in one of ``num_outputs`` parts, given one of ``num_inputs`` parts."""
+    dim = partition_dim(key)
+    return tensor.numel() if dim is None else tensor.numel() * num_inputs // num_outputs
+
+
+def _metadata_for_size(metadata: dict) -> dict:
+    """Part 0's entries besides the model, for a checkpoint of another size:
+    without the optimizer state (:func:`_optimizer_part` builds each part's)
+    and without the per-rank RNG tracker states (a rank of the new size has
+    no counterpart; it is seeded afresh)."""
     state = {k: v for k, v in metadata.items() if k != "last_optimizer_state"}
     state["extra_state"] = {
         k: v for k, v in (state.get("extra_state") or {}).items() if k != "rng_tracker_states"
@@ -319,8 +429,8 @@ def _training_free_metadata(metadata: dict) -> dict:
     return state
 
 
-def _prepare(input_path: str, outputs: List[str]) -> PartFiles:
-    parts = PartFiles(input_path)
+def _prepare(input_path: str, outputs: List[str], with_optimizer: bool = False) -> PartFiles:
+    parts = PartFiles(input_path, with_optimizer)
     inputs = {os.path.realpath(f) for f in parts.files}
     for o in outputs:
         if os.path.realpath(o) in inputs:
@@ -328,12 +438,15 @@ def _prepare(input_path: str, outputs: List[str]) -> PartFiles:
     return parts
 
 
-def _part_state(parts: PartFiles, rank: int, size: int, check_replicas: bool,
+def _part_state(parts: PartFiles, rank: int, size: int, check_replicas: bool, with_optimizer: bool = False,
                 progress: Optional[Callable[[str], None]] = None) -> dict:
     """Checkpoint dict of model part ``rank`` of ``size``: weights, config
-    recording the new size and padded vocabulary, no training state."""
-    state = _training_free_metadata(parts.metadata)
+    recording the new size and padded vocabulary, and the optimizer state
+    if ``with_optimizer``."""
+    state = _metadata_for_size(parts.metadata)
     state["model"] = _model_part(parts, rank, size, check_replicas, progress)
+    if with_optimizer:
+        state["last_optimizer_state"] = _optimizer_part(parts, rank, size, check_replicas, progress)
     set_model_parallel_size(state, size, parts.padded_vocab_size)
     return state
 
@@ -360,26 +473,34 @@ def resharded_model(input_path: str, rank: int, size: int) -> Tuple[Dict[str, to
 
 
 def reshard(input_path: str, output_path: str, new_size: int, verify: bool = True,
-            progress: Optional[Callable[[str], None]] = None) -> List[str]:
+            progress: Optional[Callable[[str], None]] = None, with_optimizer: bool = False) -> List[str]:
     """Rewrite checkpoint ``input_path`` (any model-parallel size) for size ``new_size``.
 
-    Model weights only: the optimizer state and the per-rank RNG tracker
-    states are dropped (resume from the output with ``--reset-optimizer``).
-    The padded vocabulary size is recorded in the config, so the model built
-    at the new size has exactly the same vocabulary rows. Returns the paths
+    The model weights, and with ``with_optimizer`` the optimizer state
+    (Adam's moments split like their parameters, see :func:`_optimizer_part`),
+    so that ``fairseq-train --restore-file`` resumes from the output at the
+    new size as if it had not stopped; without it, resume with
+    ``--reset-optimizer``. The per-rank RNG tracker states are dropped. The
+    padded vocabulary size is recorded in the config, so the model built at
+    the new size has exactly the same vocabulary rows. Returns the paths
     written: ``output_path`` for size 1, else its ``-model_part-K`` names.
+    Memory: one output part (with the optimizer: its weights and moments)
+    plus one memory-mapped layer of the input.
 
     Raises:
         FileNotFoundError / CheckpointError: bad input (see :class:`PartFiles`),
             a size that does not divide the model, outputs that would
-            overwrite inputs, or a failed verification.
+            overwrite inputs, a failed verification, or with
+            ``with_optimizer`` a part without optimizer state or a state
+            that cannot be split (see :func:`optimizer_state_per_parameter`).
     """
     outputs = output_paths(output_path, new_size)
-    parts = _prepare(input_path, outputs)
+    parts = _prepare(input_path, outputs, with_optimizer)
     check_divisible(model_config(parts.metadata), parts.padded_vocab_size, new_size)
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
     for rank, out in enumerate(outputs):
-        state = _part_state(parts, rank, new_size, check_replicas=(rank == 0), progress=progress)
+        state = _part_state(parts, rank, new_size, check_replicas=(rank == 0), with_optimizer=with_optimizer,
+                            progress=progress)
         _save_verified(state, out, verify)
         del state
         parts.release()

@@ -40,12 +40,39 @@ def _build(size, args=None, seed=0):
     return model, args
 
 
-def save_checkpoint(path, num_parts, style="cfg", seed=0, legacy_format=False):
+def optimizer_states(names, moments, num_parts, layout):
+    """``last_optimizer_state`` of each of ``num_parts`` model parts for Adam
+    with the given full-size moments ``{parameter name: (exp_avg,
+    exp_avg_sq)}``, as fairseq saves it: ``"per-parameter"`` (torch's
+    optimizer state dict, one entry per parameter in ``model.parameters()``
+    order) or ``"flat"`` (fairseq's FP16Optimizer: one fp32 tensor of all
+    parameters, and the loss scale)."""
+    split = [split_model_state({n: moments[n][which] for n in names}, num_parts) for which in (0, 1)]
+    states = []
+    for rank in range(num_parts):
+        avg, avg_sq = split[0][rank], split[1][rank]
+        if layout == "per-parameter":
+            state = {i: {"step": torch.tensor(5.0), "exp_avg": avg[n], "exp_avg_sq": avg_sq[n]}
+                     for i, n in enumerate(names)}
+            groups = [{"lr": 1e-3, "betas": (0.9, 0.98), "params": list(range(len(names)))}]
+            states.append({"state": state, "param_groups": groups})
+        else:
+            flat = {"step": 5, "exp_avg": torch.cat([avg[n].reshape(-1) for n in names]),
+                    "exp_avg_sq": torch.cat([avg_sq[n].reshape(-1) for n in names])}
+            groups = [{"lr": 1e-3, "betas": (0.9, 0.98), "params": [0]}]
+            states.append({"state": {0: flat}, "param_groups": groups, "loss_scale": 64.0})
+    return states
+
+
+def save_checkpoint(path, num_parts, style="cfg", seed=0, legacy_format=False, optimizer="placeholder"):
     """A checkpoint as fairseq-train writes it at ``num_parts`` model parts.
 
     The weights come from a model built at size 2 in this process (so the
     vocabulary is padded to 64 = a multiple of 16), split into parts.
     ``legacy_format``: saved as PyTorch < 1.6 did (not a zip archive).
+    ``optimizer``: ``"per-parameter"`` or ``"flat"`` writes Adam moments
+    (see :func:`optimizer_states`) and returns them with the weights,
+    ``None`` no optimizer state; the default a placeholder.
     """
     import fairseq_megatron.parallel_state as ps
 
@@ -59,18 +86,29 @@ def save_checkpoint(path, num_parts, style="cfg", seed=0, legacy_format=False):
                 p.add_(torch.randn_like(p) * 0.1)
     args.model_parallel_size = num_parts
     full = model.state_dict()
+    names = [n for n, _ in model.named_parameters()]  # the order fairseq's trainer gives the optimizer
+    generator = torch.Generator().manual_seed(seed + 100)
+    moments = {n: (torch.randn(p.shape, generator=generator), torch.rand(p.shape, generator=generator))
+               for n, p in model.named_parameters()}
+    if optimizer in ("per-parameter", "flat"):
+        optimizer_state = optimizer_states(names, moments, num_parts, optimizer)
+    else:
+        optimizer_state = [{"state": {0: torch.zeros(3)}} if optimizer else None] * num_parts
     for rank, (out, part) in enumerate(zip(output_paths(path, num_parts), split_model_state(full, num_parts))):
         state = {
             "model": part,
             "optimizer_history": [{"num_updates": 5}],
-            "last_optimizer_state": {"state": {0: torch.zeros(3)}},
             "extra_state": {"rng_tracker_states": {"model-parallel-rng": {"seed": rank}}, "epoch": 1},
         }
+        if optimizer_state[rank] is not None:
+            state["last_optimizer_state"] = optimizer_state[rank]
         if style == "cfg":
             state["cfg"] = {"common": {"model_parallel_size": num_parts}, "model": Namespace(**vars(args))}
         else:
             state["args"] = Namespace(**vars(args))
         torch.save(state, out, _use_new_zipfile_serialization=not legacy_format)
+    if optimizer in ("per-parameter", "flat"):
+        return full, names, moments
     return full
 
 
@@ -103,6 +141,93 @@ def test_round_trip_2_1_4_2_is_bitwise_identical(tmp_path, style):
     assert model["decoder.embed_tokens.weight"].shape == (64, 32)
     # the tied output projection is saved as the same tensor, not a copy
     assert model["decoder.output_projection.weight"].data_ptr() == model["decoder.embed_tokens.weight"].data_ptr()
+
+
+def _optimizer_state(path):
+    return [torch.load(f, weights_only=False)["last_optimizer_state"] for f in find_part_files(path)]
+
+
+def _assert_same_optimizer_state(a, b):
+    assert set(a) == set(b) and a["param_groups"] == b["param_groups"]
+    assert a.get("loss_scale") == b.get("loss_scale")
+    assert list(a["state"]) == list(b["state"])
+    for index in a["state"]:
+        assert list(a["state"][index]) == list(b["state"][index])
+        for name, value in a["state"][index].items():
+            if torch.is_tensor(value):
+                assert torch.equal(value, b["state"][index][name]), (index, name)
+            else:
+                assert value == b["state"][index][name], (index, name)
+
+
+@pytest.mark.parametrize("layout", ["per-parameter", "flat"])
+def test_optimizer_state_round_trip_2_1_4_2(tmp_path, layout):
+    """``with_optimizer``: at size 1 the Adam moments are the full moments the
+    parts were cut from, in ``model.parameters()`` order (flat: concatenated
+    in that order, as fairseq's FP16Optimizer keeps them); 2 -> 1 -> 4 -> 2
+    gives back the original parts' optimizer state bitwise."""
+    src = str(tmp_path / "src" / "model.pt")
+    os.makedirs(os.path.dirname(src))
+    _, names, moments = save_checkpoint(src, 2, optimizer=layout)
+    one, four, back = (str(tmp_path / d / "model.pt") for d in ("one", "four", "back"))
+    reshard(src, one, 1, with_optimizer=True)
+    reshard(one, four, 4, with_optimizer=True)
+    reshard(four, back, 2, with_optimizer=True)
+
+    (merged,) = _optimizer_state(one)
+    if layout == "flat":
+        (entry,) = merged["state"].values()
+        assert entry["step"] == 5 and merged["loss_scale"] == 64.0
+        for which, name in enumerate(("exp_avg", "exp_avg_sq")):
+            assert torch.equal(entry[name], torch.cat([moments[n][which].reshape(-1) for n in names])), name
+    else:
+        assert len(merged["state"]) == len(names)
+        for index, n in enumerate(names):
+            assert torch.equal(merged["state"][index]["exp_avg"], moments[n][0]), n
+            assert torch.equal(merged["state"][index]["exp_avg_sq"], moments[n][1]), n
+            assert merged["state"][index]["step"] == 5.0
+    assert len(_optimizer_state(four)) == 4
+    for original, final in zip(_optimizer_state(src), _optimizer_state(back)):
+        _assert_same_optimizer_state(original, final)
+    state = torch.load(part_path(back, 1), weights_only=False)
+    assert "rng_tracker_states" not in state["extra_state"]  # a rank of another size has its own stream
+
+
+def test_optimizer_states_that_cannot_be_resharded(tmp_path):
+    """Each refusal is one CheckpointError naming the file, and writes nothing."""
+    path = str(tmp_path / "src" / "model.pt")
+    out = tmp_path / "out"
+    os.makedirs(os.path.dirname(path))
+
+    def refused(match):
+        with pytest.raises(CheckpointError, match=match):
+            reshard(path, str(out / "model.pt"), 1, with_optimizer=True)
+        assert not out.exists() or not os.listdir(out)
+
+    save_checkpoint(path, 2, optimizer=None)
+    refused(f"{part_path(path, 0)} holds no optimizer state")
+
+    _, names, _ = save_checkpoint(path, 2, optimizer="per-parameter")
+    state = torch.load(part_path(path, 1), weights_only=False)
+    # Adafactor keeps factored second moments: a row and a column vector per matrix.
+    assert names[1] == "decoder.layers.0.self_attn.k_proj.weight"
+    state["last_optimizer_state"]["state"][1]["exp_avg_sq"] = torch.ones(16)
+    torch.save(state, part_path(path, 1))
+    refused(rf"{part_path(path, 1)}: optimizer state 'exp_avg_sq' of decoder.layers.0.self_attn.k_proj.weight "
+            r"has shape \(16,\), not the parameter's \(16, 32\)")
+
+    save_checkpoint(path, 2, optimizer="per-parameter")
+    state = torch.load(part_path(path, 1), weights_only=False)
+    state["last_optimizer_state"]["param_groups"][0]["params"].pop()
+    torch.save(state, part_path(path, 1))
+    refused(f"{part_path(path, 1)}: the optimizer state is for {len(names) - 1} parameters, the model has "
+            f"{len(names)}")
+
+    save_checkpoint(path, 2, optimizer="flat")
+    state = torch.load(part_path(path, 0), weights_only=False)
+    state["last_optimizer_state"]["state"][0]["exp_avg"] = state["last_optimizer_state"]["state"][0]["exp_avg"][1:]
+    torch.save(state, part_path(path, 0))
+    refused(f"{part_path(path, 0)}: flat optimizer state 'exp_avg' has [0-9]+ elements, the parameters [0-9]+")
 
 
 def test_parts_in_the_legacy_format_reshard_like_zip_files(tmp_path):
@@ -250,8 +375,12 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         return rc, capsys.readouterr().err.strip()
 
     assert run("--model-parallel-size", "3") == (1, "error: model-parallel size 3 does not divide the attention heads (8)")
-    assert run("--model-parallel-size", "2", "--keep-optimizer")[1].startswith(
-        "error: resharding optimizer state is not supported")
+    # save_checkpoint's placeholder optimizer state belongs to no parameter
+    assert run("--model-parallel-size", "1", "--keep-optimizer") == (
+        1, f"error: {part_path(path, 0)}: the optimizer state is for 0 parameters, the model has 35")
+    assert run("--to-fairseq", "--keep-optimizer") == (
+        1, "error: --keep-optimizer and --to-fairseq exclude each other: the export is for evaluation and "
+           "holds no training state")
     assert not out.exists() or not os.listdir(out), "a failed run left files behind"
 
     with pytest.raises(CheckpointError, match="refusing to overwrite"):

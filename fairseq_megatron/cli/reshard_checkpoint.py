@@ -7,9 +7,11 @@
 
 ``--input`` is what you would pass to fairseq as ``--path``: the part files
 ``<name>-model_part-K.pt`` are found next to it. For size 1 the output is one
-file, otherwise ``<output>-model_part-K.pt``. Only the model weights are kept
-(resume training from the output with ``--reset-optimizer``). Only use
-checkpoints you trust: the files are fully unpickled.
+file, otherwise ``<output>-model_part-K.pt``. The model weights are kept, and
+with ``--keep-optimizer`` the optimizer state too, so that training resumes
+at the new size with ``--restore-file <output>``; without it, resume with
+``--reset-optimizer``. Only use checkpoints you trust: the files are fully
+unpickled.
 """
 
 import argparse
@@ -39,25 +41,25 @@ def main(argv=None) -> int:
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip re-reading each output and comparing per-tensor checksums")
     parser.add_argument("--keep-optimizer", action="store_true",
-                        help="reshard the optimizer state too (not supported: refused)")
+                        help="reshard the optimizer state too (Adam's moments), to resume training at the new size")
     args = parser.parse_args(argv)
 
     try:
-        if args.keep_optimizer:
-            raise CheckpointError(
-                "resharding optimizer state is not supported; reshard the weights and resume "
-                "with --reset-optimizer"
-            )
+        if args.keep_optimizer and args.to_fairseq:
+            raise CheckpointError("--keep-optimizer and --to-fairseq exclude each other: the export "
+                                  "is for evaluation and holds no training state")
         if args.to_fairseq:
             vocab = dictionary_size(args.dict) if args.dict else None
             print(export_to_fairseq(args.input, args.output, vocab_size=vocab, verify=args.verify))
             return 0
         if args.model_parallel_size is None or args.model_parallel_size < 1:
             raise CheckpointError("--model-parallel-size N (N >= 1) is required unless --to-fairseq")
-        steps = len(layer_groups(PartFiles(args.input).keys)) * args.model_parallel_size
+        parts = PartFiles(args.input)
+        steps = len(layer_groups(parts.keys)) * args.model_parallel_size * (2 if args.keep_optimizer else 1)
+        del parts
         with tqdm(total=steps, desc="resharding", unit="layer", disable=None) as bar:
             written = reshard(args.input, args.output, args.model_parallel_size, verify=args.verify,
-                              progress=lambda _: bar.update())
+                              progress=lambda _: bar.update(), with_optimizer=args.keep_optimizer)
     except (CheckpointError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -743,9 +743,9 @@ def _checkpoints_at_another_model_parallel_size() -> None:
             if saved != size:
                 raise ValueError(
                     f"{path} was saved at model-parallel size {saved}, this run has size {size}: resume "
-                    f"with --model-parallel-size {saved}, or reshard the weights (fairseq-megatron-reshard "
-                    f"--input {path} --output NEW.pt --model-parallel-size {size}) and train with "
-                    f"--restore-file NEW.pt --reset-optimizer"
+                    f"with --model-parallel-size {saved}, or reshard it with its optimizer state "
+                    f"(fairseq-megatron-reshard --input {path} --output NEW.pt --model-parallel-size {size} "
+                    f"--keep-optimizer) and train with --restore-file NEW.pt"
                 )
         return original_resume(self, filename, *args, **kwargs)
 

@@ -16,6 +16,7 @@ import torch
 
 from fairseq_megatron import USER_DIR
 from fairseq_megatron.checkpoint_resharding import export_to_fairseq, reshard
+from fairseq_megatron.cli import reshard_checkpoint
 from tests.helpers import ENV, fairseq
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -170,9 +171,46 @@ def test_resuming_at_another_size_stops_instead_of_starting_over(trained, tmp_pa
     rc, out = fairseq("train", args, check=False)
     assert rc != 0
     assert ("checkpoint_last.pt was saved at model-parallel size 2, this run has size 1: resume with "
-            "--model-parallel-size 2, or reshard the weights") in out, out[-3000:]
+            "--model-parallel-size 2, or reshard it with its optimizer state") in out, out[-3000:]
     assert "num_updates" not in out  # no update ran
     assert _listing(tmp_path) == before
+
+
+def test_resharded_optimizer_state_resumes_training_at_another_size(trained, tmp_path):
+    """The size-2 checkpoint_last resharded to size 1 with --keep-optimizer
+    trains on at size 1 with the same loss and ``gnorm`` per update as the
+    original parts trained on at size 2; with --reset-optimizer (all there was
+    before) the losses part after the first update, so the comparison can
+    fail. Dropout is off, so both sizes compute the same function;
+    tolerance: one unit of the 3 printed decimals (fp32 summation order)."""
+    size2, size1 = tmp_path / "size2", tmp_path / "size1"
+    size2.mkdir()
+    for name in ("checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt"):
+        shutil.copy(os.path.join(trained["ckpt"], name), size2)
+    done = torch.load(size2 / "checkpoint_last-model_part-0.pt", weights_only=False)["optimizer_history"][-1][
+        "num_updates"]
+    assert reshard_checkpoint.main(["--input", str(size2 / "checkpoint_last.pt"), "--output",
+                                    str(size1 / "checkpoint_last.pt"), "--model-parallel-size", "1",
+                                    "--keep-optimizer"]) == 0
+
+    def train_on(save_dir, size, reset_optimizer=False):
+        start = 0 if reset_optimizer else done  # fairseq's --reset-optimizer resets the update count too
+        args = train_args(trained["data"], str(save_dir), max_update=start + 3)
+        args[args.index("--model-parallel-size") + 1] = str(size)
+        args += ["--dropout", "0", "--attention-dropout", "0", "--no-save"]
+        _, log = fairseq("train", args + (["--reset-optimizer"] if reset_optimizer else []),
+                         nproc=2 if size == 2 else None)
+        assert f"(epoch 1 @ {start} updates)" in log and f"training on {size} devices" in log, log[-3000:]
+        return {key: _per_update(log, key) for key in ("loss", "gnorm")}
+
+    at_2, at_1, reset = train_on(size2, 2), train_on(size1, 1), train_on(size1, 1, reset_optimizer=True)
+    for key in ("loss", "gnorm"):
+        assert len(at_2[key]) == len(at_1[key]) == 3, (key, at_2, at_1)
+        for a, b in zip(at_2[key], at_1[key]):
+            assert abs(a - b) <= 1.1e-3, (key, at_2, at_1)
+    assert reset["loss"][0] == at_1["loss"][0]  # the same weights and batch before the first update
+    # then Adam's moments start from zero: 0.025 apart at the second update in this run, 20x the tolerance
+    assert max(abs(a - b) for a, b in zip(reset["loss"][1:], at_1["loss"][1:])) > 10 * 1.1e-3, (reset, at_1)
 
 
 def test_export_evaluates_in_stock_fairseq_without_user_dir(trained):

@@ -16,6 +16,10 @@ Then the in-memory path that fairseq-eval-lm and fairseq-generate take for a
 checkpoint of another size (``resharded_model``: one rank's part built from
 the 8 files, nothing written), next to ``torch.load`` of the merged file that
 the offline tool wrote, each in a fresh child process.
+
+``--with-optimizer`` adds Adam's two fp32 moments as fairseq's FP16Optimizer
+saves them (one flat tensor per part, the ``--fp16`` layout) and reshards
+with ``--keep-optimizer``; the in-memory loads are skipped then.
 """
 
 import argparse
@@ -51,8 +55,26 @@ def model_shapes(layers: int, hidden: int, ffn: int, vocab: int):
     return shapes
 
 
+def flat_adam_state(model: dict, keys, rank: int) -> dict:
+    """Random Adam moments for the parameters ``keys`` of model part
+    ``rank``, flat fp32 in parameter order, as fairseq's FP16Optimizer saves
+    them; equal on every part for replicated parameters, as training leaves
+    them (the tool checks)."""
+    moments = {}
+    for n, name in enumerate(("exp_avg", "exp_avg_sq")):
+        pieces = []
+        for i, key in enumerate(keys):
+            seed = (i, n) if partition_dim(key) is None else (i, n, rank)
+            g = torch.Generator().manual_seed(hash(seed) % 2**31)
+            pieces.append(torch.randn(model[key].numel(), generator=g))
+        moments[name] = torch.cat(pieces)
+        del pieces
+    return {"state": {0: {"step": 1, **moments}}, "param_groups": [{"lr": 1e-4, "params": [0]}],
+            "loss_scale": 128.0}
+
+
 def write_parts(path: str, parts: int, layers: int, hidden: int, ffn: int, heads: int, vocab: int,
-                dtype: torch.dtype = torch.float16) -> int:
+                dtype: torch.dtype = torch.float16, with_optimizer: bool = False) -> int:
     """Write a random checkpoint as ``parts`` part files, one part in memory at a time.
     Returns the parameter count."""
     shapes = model_shapes(layers, hidden, ffn, vocab)
@@ -71,9 +93,12 @@ def write_parts(path: str, parts: int, layers: int, hidden: int, ffn: int, heads
                 local[dim] //= parts
                 g.manual_seed(i * 1000 + rank)
                 model[key] = torch.randn(local, generator=g).to(dtype)
+        state = {"args": args, "model": model, "optimizer_history": [{"num_updates": 0}]}
+        if with_optimizer:
+            state["last_optimizer_state"] = flat_adam_state(model, [key for key, _ in shapes], rank)
         model["decoder.output_projection.weight"] = model["decoder.embed_tokens.weight"]
-        torch.save({"args": args, "model": model, "optimizer_history": [{"num_updates": 0}]}, part_path(path, rank))
-        del model
+        torch.save(state, part_path(path, rank))
+        del model, state
     return sum(torch.Size(s).numel() for _, s in shapes)
 
 
@@ -103,6 +128,8 @@ def main(argv=None):
     parser.add_argument("--vocab", type=int, default=51200)
     parser.add_argument("--parts", type=int, default=8)
     parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
+    parser.add_argument("--with-optimizer", action="store_true",
+                        help="add flat fp32 Adam moments (fairseq's --fp16 layout) and reshard them too")
     args = parser.parse_args(argv)
 
     os.makedirs(args.work_dir, exist_ok=True)
@@ -110,8 +137,9 @@ def main(argv=None):
     os.makedirs(os.path.dirname(src), exist_ok=True)
     t = time.time()
     n_params = write_parts(src, args.parts, args.layers, args.hidden, args.ffn, args.heads, args.vocab,
-                           getattr(torch, args.dtype))
-    print(f"generated {n_params / 1e9:.2f}B parameters ({args.dtype}) as {args.parts} parts "
+                           getattr(torch, args.dtype), args.with_optimizer)
+    print(f"generated {n_params / 1e9:.2f}B parameters ({args.dtype}"
+          f"{', with fp32 Adam moments' if args.with_optimizer else ''}) as {args.parts} parts "
           f"in {time.time() - t:.0f}s", flush=True)
     _, baseline = timed_child([sys.executable, "-c", "import fairseq_megatron"])
     print(f"baseline: a Python process that imports the package peaks at {baseline / 1e9:.2f} GB", flush=True)
@@ -121,7 +149,8 @@ def main(argv=None):
     tool = [sys.executable, "-m", "fairseq_megatron.cli.reshard_checkpoint"]
     rows = []
     for label, inp, out, size in ((f"{args.parts} -> 1", src, one, 1), (f"1 -> {args.parts}", one, back, args.parts)):
-        seconds, peak = timed_child([*tool, "--input", inp, "--output", out, "--model-parallel-size", str(size)])
+        seconds, peak = timed_child([*tool, "--input", inp, "--output", out, "--model-parallel-size", str(size),
+                                     *(["--keep-optimizer"] if args.with_optimizer else [])])
         outputs = [out] if size == 1 else [part_path(out, r) for r in range(size)]
         largest = max(os.path.getsize(o) for o in outputs)
         rows.append((label, seconds, peak, largest))
@@ -133,6 +162,8 @@ def main(argv=None):
         print(f"{label:>8} | {seconds:7.1f} | {peak / 1e9:11.2f} | {largest / 1e9:17.2f} | {ratio:5.2f} | "
               f"{'ok' if ratio < 1.5 else 'ABOVE TARGET'}")
 
+    if args.with_optimizer:
+        return
     python = [sys.executable, "-c"]
     loads = [
         ("torch.load of the merged file", f"import torch; torch.load({one!r}, weights_only=False)",

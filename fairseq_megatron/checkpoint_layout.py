@@ -27,9 +27,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from fairseq_megatron.errors import UsageError
 
-class CheckpointError(ValueError):
-    """A checkpoint (or a set of part files) that cannot be resharded as asked."""
+
+class CheckpointError(UsageError):
+    """A checkpoint (or a set of part files) that cannot be read or resharded as asked."""
 
 
 _VOCAB = re.compile(r"(^|\.)(embed_tokens|output_projection)\.weight$")

@@ -160,6 +160,22 @@ def _can_be_memory_mapped(path: str) -> bool:
     return zipfile.is_zipfile(path)
 
 
+def check_complete(files: Iterable[str]) -> None:
+    """Raise CheckpointError for a checkpoint file cut short (a copy or save
+    that stopped early): a zip archive, torch's format since 1.6, whose
+    directory, written last, is missing; or an empty file. Reads only the
+    start and end of each file, so every rank can check every part before
+    any of them loads one."""
+    for path in files:
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if not head:
+            raise CheckpointError(f"{path} is empty")
+        if head == b"PK\x03\x04" and not zipfile.is_zipfile(path):
+            raise CheckpointError(f"{path} is truncated: the zip archive's directory, which torch writes last, "
+                                  f"is missing (was the file still being saved or copied?)")
+
+
 def read_checkpoint(path: str) -> dict:
     """``torch.load`` of one checkpoint file to CPU, memory-mapped unless it is
     in the legacy format.

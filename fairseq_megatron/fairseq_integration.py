@@ -93,6 +93,14 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    one GPU, say; :func:`fairseq_megatron.checkpoint_resharding.resharded_model`).
    fairseq-train resuming in a save dir whose checkpoint has another size
    silently started from scratch; it now stops and says how to reshard.
+   Every rank checks that no part file is cut short before any rank loads
+   one: a truncated part made its rank fail inside torch.load while the
+   others reported a lost connection.
+14. :func:`_one_line_errors` -- our errors for bad input or a bad launch
+   (:class:`fairseq_megatron.errors.UsageError`) reached the user as a
+   traceback through fairseq, with the message on its last line; they are
+   now printed as one ``error: ...`` line (exit status 1).
+   ``FAIRSEQ_MEGATRON_TRACEBACK=1`` shows the traceback.
 """
 
 import atexit
@@ -132,6 +140,7 @@ def install() -> None:
     _padding_known_on_the_host()
     _nonfinite_gradients_skipped_on_the_device()
     _checkpoints_at_another_model_parallel_size()
+    _one_line_errors()
     _INSTALLED = True
 
 
@@ -651,11 +660,14 @@ def _checkpoints_at_another_model_parallel_size() -> None:
 
     from fairseq_megatron import parallel_state
     from fairseq_megatron.checkpoint_resharding import (
+        check_complete,
         checkpoint_of_part,
         find_part_files,
+        output_paths,
         resharded_model,
         set_model_parallel_size,
     )
+    from fairseq_megatron.errors import UsageError
     from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
 
     original_load = checkpoint_utils.load_model_ensemble_and_task
@@ -704,8 +716,16 @@ def _checkpoints_at_another_model_parallel_size() -> None:
         except FileNotFoundError:
             return
         if num_parts > 1:
-            raise ValueError(f"--path {path} is one of {num_parts} model part files: pass the checkpoint's name, "
+            raise UsageError(f"--path {path} is one of {num_parts} model part files: pass the checkpoint's name, "
                              f"--path {checkpoint} (fairseq adds -model_part-K for each rank)")
+
+    def check_parts_complete(path: str) -> None:
+        """Raise CheckpointError on every rank if a part file of ``path`` is
+        cut short (fairseq reports missing ones)."""
+        try:
+            check_complete(find_part_files(path))
+        except FileNotFoundError:
+            pass
 
     @functools.wraps(original_load)
     def load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, strict=True, suffix="",
@@ -715,6 +735,7 @@ def _checkpoints_at_another_model_parallel_size() -> None:
         ensemble, cfg = [], None
         for filename in filenames:
             refuse_one_part_as_path(filename)
+            check_parts_complete(filename)
             resharded = resharded_state(filename, arg_overrides)
             if resharded is None:
                 models, cfg, task = original_load([filename], arg_overrides, task, strict, suffix, num_shards)
@@ -732,21 +753,39 @@ def _checkpoints_at_another_model_parallel_size() -> None:
     @functools.wraps(original_resume)
     def load_checkpoint(self, filename, *args, **kwargs):
         suffix = self.checkpoint_suffix + ".pt"
-        if (isinstance(self.get_model(), ModelParallelTransformerLanguageModel)
-                and not PathManager.isfile(filename) and filename.endswith(suffix)):
+        if isinstance(self.get_model(), ModelParallelTransformerLanguageModel) and filename.endswith(suffix):
             path = filename[: -len(suffix)] + ".pt"
             size = parallel_state.get_tensor_model_parallel_world_size()
-            try:
-                saved = len(find_part_files(path))
-            except FileNotFoundError:
-                saved = size  # no checkpoint at all: fairseq starts from scratch
-            if saved != size:
-                raise ValueError(
-                    f"{path} was saved at model-parallel size {saved}, this run has size {size}: resume "
-                    f"with --model-parallel-size {saved}, or reshard it with its optimizer state "
-                    f"(fairseq-megatron-reshard --input {path} --output NEW.pt --model-parallel-size {size} "
-                    f"--keep-optimizer) and train with --restore-file NEW.pt"
-                )
+            if PathManager.isfile(filename):  # each rank checks all parts of this size before any loads
+                check_complete([f for f in output_paths(path, size) if PathManager.isfile(f)])
+            else:
+                try:
+                    saved = len(find_part_files(path))
+                except FileNotFoundError:
+                    saved = size  # no checkpoint at all: fairseq starts from scratch
+                if saved != size:
+                    raise UsageError(
+                        f"{path} was saved at model-parallel size {saved}, this run has size {size}: resume "
+                        f"with --model-parallel-size {saved}, or reshard it with its optimizer state "
+                        f"(fairseq-megatron-reshard --input {path} --output NEW.pt --model-parallel-size "
+                        f"{size} --keep-optimizer) and train with --restore-file NEW.pt"
+                    )
         return original_resume(self, filename, *args, **kwargs)
 
     Trainer.load_checkpoint = load_checkpoint
+
+
+def _one_line_errors() -> None:
+    from fairseq_megatron.errors import UsageError
+
+    if os.environ.get("FAIRSEQ_MEGATRON_TRACEBACK"):
+        return
+    previous = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        if isinstance(value, UsageError):
+            print(f"error: {value}", file=sys.stderr, flush=True)
+        else:
+            previous(kind, value, traceback)
+
+    sys.excepthook = excepthook

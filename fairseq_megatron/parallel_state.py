@@ -22,6 +22,8 @@ from typing import Optional
 import torch.distributed as dist
 from fairscale.nn.model_parallel import initialize as _fs
 
+from fairseq_megatron.errors import UsageError
+
 ProcessGroup = Optional[dist.ProcessGroup]
 
 
@@ -39,7 +41,7 @@ def initialize_model_parallel(model_parallel_size: int) -> None:
 
     Raises:
         ModelParallelNotInitializedError: torch.distributed is not initialised.
-        ValueError: ``model_parallel_size`` < 1 or W is not divisible by it.
+        UsageError: ``model_parallel_size`` < 1 or W is not divisible by it.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise ModelParallelNotInitializedError(
@@ -48,7 +50,7 @@ def initialize_model_parallel(model_parallel_size: int) -> None:
         )
     world_size = dist.get_world_size()
     if model_parallel_size < 1 or world_size % model_parallel_size != 0:
-        raise ValueError(
+        raise UsageError(
             f"world size {world_size} is not divisible by --model-parallel-size "
             f"{model_parallel_size}"
         )

@@ -342,6 +342,36 @@ def test_missing_part_file_is_reported(trained):
     assert "checkpoint_last-model_part-1.pt" in out
 
 
+def test_a_truncated_part_file_is_one_error_line_on_every_rank(trained, tmp_path):
+    """Part 1 cut short (a copy that stopped): before, the rank loading it
+    failed inside torch.load and the other reported a lost connection, each
+    with a traceback. Now every rank checks every part first and prints the
+    same single line, in fairseq-eval-lm (size 2 under torchrun, and size 1
+    in one process, where that line is all that follows fairseq's log) and
+    in fairseq-train resuming at the saved size."""
+    for name in ("checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt"):
+        shutil.copy(os.path.join(trained["ckpt"], name), tmp_path)
+    part = tmp_path / "checkpoint_last-model_part-1.pt"
+    data = part.read_bytes()
+    part.write_bytes(data[: len(data) // 2])
+    line = (f"error: {part} is truncated: the zip archive's directory, which torch writes last, is missing "
+            f"(was the file still being saved or copied?)")
+    path = str(tmp_path / "checkpoint_last.pt")
+
+    rc, out = fairseq("eval_lm", eval_args(trained["data"], path, 2), nproc=2, check=False)
+    assert rc != 0
+    assert f"[rank0]: {line}" in out and f"[rank1]: {line}" in out, out[-3000:]
+    assert "PytorchStreamReader" not in out and "Connection closed" not in out, out[-3000:]
+
+    rc, out = fairseq("eval_lm", eval_args(trained["data"], path, 1), check=False)
+    assert rc == 1 and out.rstrip().splitlines()[-1] == line and "Traceback" not in out, out[-3000:]
+
+    rc, out = fairseq("train", train_args(trained["data"], str(tmp_path), max_update=9), nproc=2, check=False)
+    assert rc != 0
+    assert f"[rank0]: {line}" in out and f"[rank1]: {line}" in out, out[-3000:]
+    assert "num_updates" not in out and part.stat().st_size == len(data) // 2
+
+
 def test_one_part_file_as_path_is_refused(trained):
     """--path naming a part file instead of the checkpoint (the slip users
     make with the published model) is refused with the name to pass."""
@@ -356,7 +386,7 @@ def test_world_size_not_divisible_by_model_parallel_size(trained):
     args = train_args(trained["data"], str(trained["root"] / "never"), max_update=1)
     rc, out = fairseq("train", args, nproc=3, check=False)
     assert rc != 0
-    assert "world size 3 is not divisible by --model-parallel-size 2" in out
+    assert "[rank0]: error: world size 3 is not divisible by --model-parallel-size 2" in out, out[-3000:]
 
 
 def _per_update(log, key):

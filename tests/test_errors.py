@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fairseq_megatron import parallel_state
+from fairseq_megatron.errors import UsageError
 from tests.helpers import build_model, init_model_parallel, make_batch, make_dictionary, run_distributed
 
 
@@ -17,12 +18,12 @@ def _bad_dims_worker(rank, world_size):
         try:
             build_model(2, **overrides)
             errors[name] = None
-        except ValueError as e:
+        except UsageError as e:
             errors[name] = str(e)
     try:
         build_model(1)  # claims size 1 inside a group of 2
         errors["size"] = None
-    except ValueError as e:
+    except UsageError as e:
         errors["size"] = str(e)
     return {"tp": parallel_state.get_tensor_model_parallel_world_size(), "errors": errors}
 
@@ -39,7 +40,7 @@ def test_heads_and_ffn_must_divide_by_model_parallel_size(tmp_path):
 def _world_not_divisible_worker(rank, world_size):
     try:
         parallel_state.initialize_model_parallel(2)
-    except ValueError as e:
+    except UsageError as e:
         return str(e)
     return None
 
@@ -50,16 +51,16 @@ def test_world_size_must_divide(tmp_path):
 
 
 def test_model_parallel_size_without_distributed_init():
-    with pytest.raises(ValueError, match="configured for model-parallel size 2 but this run's model-parallel group has 1"):
+    with pytest.raises(UsageError, match="configured for model-parallel size 2 but this run's model-parallel group has 1"):
         build_model(2)
 
 
 def test_bf16_autocast_refuses_fp16_training():
     """--bf16-autocast needs fp32 weights; with --fp16 it would silently do
     nothing (the weights are already half precision), so it is refused."""
-    with pytest.raises(ValueError, match="--bf16-autocast trains fp32 weights under bf16 autocast; drop --fp16$"):
+    with pytest.raises(UsageError, match="--bf16-autocast trains fp32 weights under bf16 autocast; drop --fp16$"):
         build_model(1, bf16_autocast=True, fp16=True)
-    with pytest.raises(ValueError, match="drop --amp$"):
+    with pytest.raises(UsageError, match="drop --amp$"):
         build_model(1, bf16_autocast=True, amp=True)
     build_model(1, bf16_autocast=True, fp16=False, amp=False)  # fp32 training: fine
 
@@ -76,8 +77,8 @@ def test_cuda_graphs_need_the_compiled_layer_stack():
         model.eval()
         with torch.no_grad():
             model(tokens)
-        with pytest.raises(ValueError, match="--cuda-graphs replays the compiled layer stack: it needs --compile-layers"):
+        with pytest.raises(UsageError, match="--cuda-graphs replays the compiled layer stack: it needs --compile-layers"):
             model.train()
-    with pytest.raises(ValueError, match="--cuda-graphs with --update-freq 2: a CUDA graph replay would overwrite"):
+    with pytest.raises(UsageError, match="--cuda-graphs with --update-freq 2: a CUDA graph replay would overwrite"):
         build_model(1, cuda_graphs=True, compile_layers=True, update_freq=[2])
     build_model(1, cuda_graphs=True, compile_layers=True, update_freq=[1])  # the supported case: fine

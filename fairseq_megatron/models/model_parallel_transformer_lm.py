@@ -20,6 +20,7 @@ from fairseq.utils import safe_getattr
 
 from fairseq_megatron import parallel_state
 from fairseq_megatron.checkpoint_activations import checkpoint_wrapper, compile_for_training, runs_compiled
+from fairseq_megatron.errors import UsageError
 from fairseq_megatron.modules import (
     ColumnParallelLinear,
     ModelParallelTransformerDecoderLayer,
@@ -48,14 +49,14 @@ def pad_dictionary(dictionary, model_parallel_size: int, padded_vocab_size: Opti
     softmax over the same vocabulary.
 
     Raises:
-        ValueError: the dictionary is larger than ``padded_vocab_size``, or
+        UsageError: the dictionary is larger than ``padded_vocab_size``, or
             the size is not divisible by the model-parallel size.
     """
     if padded_vocab_size is None:
         dictionary.pad_to_multiple_(8 * model_parallel_size)
     else:
         if len(dictionary) > padded_vocab_size:
-            raise ValueError(
+            raise UsageError(
                 f"the dictionary has {len(dictionary)} symbols but the checkpoint's embedding "
                 f"has {padded_vocab_size} rows: wrong dict.txt for this checkpoint"
             )
@@ -66,7 +67,7 @@ def pad_dictionary(dictionary, model_parallel_size: int, padded_vocab_size: Opti
                 dictionary.add_symbol(symbol, n=0)
             i += 1
     if len(dictionary) % model_parallel_size != 0:
-        raise ValueError(
+        raise UsageError(
             f"padded vocabulary size {len(dictionary)} is not divisible by the "
             f"model-parallel size {model_parallel_size}"
         )
@@ -83,7 +84,7 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
     ``gather_logits=False`` (what the vocab-parallel criterion asks for).
 
     Raises (from ``build_model``):
-        ValueError: heads, FFN size or embedding size not divisible by the
+        UsageError (a ValueError): heads, FFN size or embedding size not divisible by the
             model-parallel size; the checkpoint's ``model_parallel_size``
             differs from the running group size; ``--bf16-autocast`` with
             ``--fp16``, ``--memory-efficient-fp16`` or ``--amp``.
@@ -132,7 +133,7 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         group_size = parallel_state.get_tensor_model_parallel_world_size()
         wanted = int(safe_getattr(args, "model_parallel_size", 1) or 1)
         if wanted != group_size:
-            raise ValueError(
+            raise UsageError(
                 f"the model is configured for model-parallel size {wanted} but this run's "
                 f"model-parallel group has {group_size} rank(s); pass --model-parallel-size "
                 f"{group_size} with a checkpoint saved at that size (or reshard the checkpoint)"
@@ -142,18 +143,18 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
             ("--decoder-ffn-embed-dim", args.decoder_ffn_embed_dim),
         ):
             if value % group_size != 0:
-                raise ValueError(f"{flag} {value} is not divisible by --model-parallel-size {group_size}")
+                raise UsageError(f"{flag} {value} is not divisible by --model-parallel-size {group_size}")
         if safe_getattr(args, "bf16_autocast", False):
             half = [f"--{f.replace('_', '-')}" for f in ("fp16", "memory_efficient_fp16", "amp")
                     if safe_getattr(args, f, False)]
             if half:
-                raise ValueError(f"--bf16-autocast trains fp32 weights under bf16 autocast; drop {' '.join(half)}")
+                raise UsageError(f"--bf16-autocast trains fp32 weights under bf16 autocast; drop {' '.join(half)}")
         accumulated = max(safe_getattr(args, "update_freq", None) or [1])
         if safe_getattr(args, "cuda_graphs", False) and accumulated > 1:
             # The backward graph's weight gradients live in the graphs' memory
             # pool; the next micro-batch's replay overwrites the gradient being
             # accumulated (pytorch/pytorch#96693: silently wrong sums).
-            raise ValueError(
+            raise UsageError(
                 f"--cuda-graphs with --update-freq {accumulated}: a CUDA graph replay would overwrite "
                 "the gradients being accumulated; use --update-freq 1 (a larger --batch-size instead)"
             )
@@ -248,7 +249,7 @@ class ModelParallelTransformerDecoder(TransformerDecoder):
         no compiled layer stack to replay.
 
         Raises:
-            ValueError: ``--cuda-graphs`` without ``--compile-layers``, at
+            UsageError: ``--cuda-graphs`` without ``--compile-layers``, at
                 model-parallel size > 1 or with ``--checkpoint-activations``.
                 Checked here, not when building: a checkpoint trained with the
                 flag still loads for evaluation at any model-parallel size, and
@@ -256,7 +257,7 @@ class ModelParallelTransformerDecoder(TransformerDecoder):
                 whose errors make it write ``crash.pt``.
         """
         if mode and self.cuda_graphs and self._compiled_layer_stack is None:
-            raise ValueError(
+            raise UsageError(
                 "--cuda-graphs replays the compiled layer stack: it needs --compile-layers at "
                 "--model-parallel-size 1 without --checkpoint-activations"
             )

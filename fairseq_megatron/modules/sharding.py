@@ -11,11 +11,13 @@ from typing import Callable
 
 import torch
 
+from fairseq_megatron.errors import UsageError
+
 
 def divide(numerator: int, denominator: int, what: str) -> int:
-    """``numerator // denominator``, or a ValueError naming ``what`` if it does not divide."""
+    """``numerator // denominator``, or a UsageError (a ValueError) naming ``what`` if it does not divide."""
     if numerator % denominator != 0:
-        raise ValueError(
+        raise UsageError(
             f"{what} ({numerator}) is not divisible by the model-parallel size ({denominator})"
         )
     return numerator // denominator

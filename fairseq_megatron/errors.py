@@ -7,7 +7,8 @@ flags. Raised inside ``fairseq-train``, ``fairseq-eval-lm``,
 ``fairseq-generate`` or ``fairseq-interactive`` with ``--user-dir``, it
 reaches the user as one ``error: <message>`` line on standard error (one
 per process under torchrun) and exit status 1, instead of a traceback
-through fairseq (``fairseq_integration`` step 14). Set
+through fairseq (``fairseq_integration`` step 14); a Python program that
+imports the package sees the exception as usual. Set
 ``FAIRSEQ_MEGATRON_TRACEBACK=1`` to see the traceback. Other exceptions are
 bugs, or fairseq's, and keep Python's traceback.
 """

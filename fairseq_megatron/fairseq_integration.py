@@ -99,7 +99,8 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
 14. :func:`_one_line_errors` -- our errors for bad input or a bad launch
    (:class:`fairseq_megatron.errors.UsageError`) reached the user as a
    traceback through fairseq, with the message on its last line; they are
-   now printed as one ``error: ...`` line (exit status 1).
+   now printed as one ``error: ...`` line (exit status 1). Only in those
+   tools: a Python program that imports the package keeps its tracebacks.
    ``FAIRSEQ_MEGATRON_TRACEBACK=1`` shows the traceback.
 """
 
@@ -775,6 +776,16 @@ def _checkpoints_at_another_model_parallel_size() -> None:
     Trainer.load_checkpoint = load_checkpoint
 
 
+def _running_a_fairseq_tool() -> bool:
+    """Whether this process is one of fairseq's command-line tools
+    (``python -m fairseq_cli.eval_lm`` or the ``fairseq-eval-lm`` script), as
+    opposed to a Python program that imported the package."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name.startswith("fairseq_cli."):
+        return True
+    return os.path.basename(sys.argv[0] if sys.argv else "").startswith("fairseq-")
+
+
 def _one_line_errors() -> None:
     from fairseq_megatron.errors import UsageError
 
@@ -783,7 +794,7 @@ def _one_line_errors() -> None:
     previous = sys.excepthook
 
     def excepthook(kind, value, traceback):
-        if isinstance(value, UsageError):
+        if isinstance(value, UsageError) and _running_a_fairseq_tool():
             print(f"error: {value}", file=sys.stderr, flush=True)
         else:
             previous(kind, value, traceback)

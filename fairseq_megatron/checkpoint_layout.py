@@ -126,6 +126,12 @@ def slice_for_part(tensors: List[torch.Tensor], dim: int, part: int, num_parts: 
 BUFFER_NAMES = ("version", "_float_tensor")
 
 
+def is_per_element(value) -> bool:
+    """An optimizer state entry with one value per parameter element: a
+    tensor of at least one dimension (not a number, not a 0-dim ``step``)."""
+    return torch.is_tensor(value) and value.dim() > 0
+
+
 def parameter_keys(keys: List[str], tied: Dict[str, str]) -> List[str]:
     """The model keys that are parameters, in the order fairseq's trainer
     hands them to the optimizer: ``model.parameters()`` is the state dict's
@@ -163,21 +169,22 @@ def optimizer_state_per_parameter(optimizer_state: dict, model: Dict[str, torch.
         entry, per_key, offset, flat = state.get(indices[0], {}), {k: {} for k in keys}, 0, True
         total = sum(model[k].numel() for k in keys)
         for name, value in entry.items():
-            if torch.is_tensor(value) and value.dim() > 0 and value.numel() != total:
+            if is_per_element(value) and value.numel() != total:
                 raise CheckpointError(f"{where}: flat optimizer state {name!r} has {value.numel()} elements, "
                                       f"the parameters {total}")
         for k in keys:
             n = model[k].numel()
             for name, value in entry.items():
-                flat_tensor = torch.is_tensor(value) and value.dim() > 0
-                per_key[k][name] = value.narrow(0, offset, n).view(model[k].shape) if flat_tensor else value
+                if is_per_element(value):
+                    value = value.narrow(0, offset, n).view(model[k].shape)
+                per_key[k][name] = value
             offset += n
     else:
         raise CheckpointError(f"{where}: the optimizer state is for {len(indices)} parameters, "
                               f"the model has {len(keys)}")
     for k, entries in per_key.items():
         for name, value in entries.items():
-            if torch.is_tensor(value) and value.dim() > 0 and value.shape != model[k].shape:
+            if is_per_element(value) and value.shape != model[k].shape:
                 raise CheckpointError(
                     f"{where}: optimizer state {name!r} of {k} has shape {tuple(value.shape)}, not the "
                     f"parameter's {tuple(model[k].shape)}; only states shaped like their parameters "

@@ -36,6 +36,7 @@ import torch
 
 from fairseq_megatron.checkpoint_layout import (
     CheckpointError,
+    is_per_element,
     optimizer_state_per_parameter,
     parameter_keys,
     partition_dim,
@@ -360,11 +361,6 @@ def _model_part(parts: PartFiles, rank: int, num_parts: int, check_replicas: boo
     return OrderedDict((k, out[k]) for k in parts.keys)
 
 
-def _is_per_element(value) -> bool:
-    """A state tensor with one value per parameter element (not 0-dim, not a number)."""
-    return torch.is_tensor(value) and value.dim() > 0
-
-
 def _optimizer_part(parts: PartFiles, rank: int, num_parts: int, check_replicas: bool,
                     progress: Optional[Callable[[str], None]]) -> dict:
     """The ``last_optimizer_state`` of model part ``rank`` of ``num_parts``,
@@ -395,7 +391,7 @@ def _optimizer_part(parts: PartFiles, rank: int, num_parts: int, check_replicas:
             dim = partition_dim(key)
             entries = {}
             for name, value in views[0][key].items():
-                if not _is_per_element(value):
+                if not is_per_element(value):
                     entries[name] = value.clone() if torch.is_tensor(value) else value
                     continue
                 tensors = [view[key][name] for view in views]

@@ -51,7 +51,8 @@ def test_world_size_must_divide(tmp_path):
 
 
 def test_model_parallel_size_without_distributed_init():
-    with pytest.raises(UsageError, match="configured for model-parallel size 2 but this run's model-parallel group has 1"):
+    with pytest.raises(UsageError,
+                       match="configured for model-parallel size 2 but this run's model-parallel group has 1"):
         build_model(2)
 
 
@@ -77,7 +78,8 @@ def test_cuda_graphs_need_the_compiled_layer_stack():
         model.eval()
         with torch.no_grad():
             model(tokens)
-        with pytest.raises(UsageError, match="--cuda-graphs replays the compiled layer stack: it needs --compile-layers"):
+        with pytest.raises(UsageError,
+                           match="--cuda-graphs replays the compiled layer stack: it needs --compile-layers"):
             model.train()
     with pytest.raises(UsageError, match="--cuda-graphs with --update-freq 2: a CUDA graph replay would overwrite"):
         build_model(1, cuda_graphs=True, compile_layers=True, update_freq=[2])

@@ -19,8 +19,8 @@ import sys
 
 from tqdm import tqdm
 
-from fairseq_megatron.checkpoint_layout import CheckpointError
 from fairseq_megatron.checkpoint_resharding import PartFiles, export_to_fairseq, layer_groups, reshard
+from fairseq_megatron.errors import UsageError
 
 
 def dictionary_size(path: str) -> int:
@@ -46,21 +46,21 @@ def main(argv=None) -> int:
 
     try:
         if args.keep_optimizer and args.to_fairseq:
-            raise CheckpointError("--keep-optimizer and --to-fairseq exclude each other: the export "
-                                  "is for evaluation and holds no training state")
+            raise UsageError("--keep-optimizer and --to-fairseq exclude each other: the export "
+                             "is for evaluation and holds no training state")
         if args.to_fairseq:
             vocab = dictionary_size(args.dict) if args.dict else None
             print(export_to_fairseq(args.input, args.output, vocab_size=vocab, verify=args.verify))
             return 0
         if args.model_parallel_size is None or args.model_parallel_size < 1:
-            raise CheckpointError("--model-parallel-size N (N >= 1) is required unless --to-fairseq")
+            raise UsageError("--model-parallel-size N (N >= 1) is required unless --to-fairseq")
         parts = PartFiles(args.input)
         steps = len(layer_groups(parts.keys)) * args.model_parallel_size * (2 if args.keep_optimizer else 1)
         del parts
         with tqdm(total=steps, desc="resharding", unit="layer", disable=None) as bar:
             written = reshard(args.input, args.output, args.model_parallel_size, verify=args.verify,
                               progress=lambda _: bar.update(), with_optimizer=args.keep_optimizer)
-    except (CheckpointError, FileNotFoundError, OSError) as e:
+    except (UsageError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     for path in written:

@@ -177,6 +177,17 @@ def check_complete(files: Iterable[str]) -> None:
                                   f"is missing (was the file still being saved or copied?)")
 
 
+def saved_vocabulary_rows(path: str) -> Optional[int]:
+    """Rows of the token embedding in checkpoint file ``path`` (one model
+    part: the padded vocabulary divided by the size it was saved at), read
+    through a memory map without loading the tensors; None for a file in the
+    legacy format or without that tensor."""
+    if not _can_be_memory_mapped(path):
+        return None
+    embedding = _load(path)["model"].get(EMBED_KEYS[0])
+    return None if embedding is None else embedding.size(0)
+
+
 def read_checkpoint(path: str) -> dict:
     """``torch.load`` of one checkpoint file to CPU, memory-mapped unless it is
     in the legacy format.

@@ -666,6 +666,7 @@ def _checkpoints_at_another_model_parallel_size() -> None:
         find_part_files,
         output_paths,
         resharded_model,
+        saved_vocabulary_rows,
         set_model_parallel_size,
     )
     from fairseq_megatron.errors import UsageError
@@ -749,6 +750,24 @@ def _checkpoints_at_another_model_parallel_size() -> None:
 
     checkpoint_utils.load_model_ensemble_and_task = load_model_ensemble_and_task
 
+    def check_vocabulary_rows(model, filename: str, path: str, size: int) -> None:
+        """fairseq-train builds the model before it loads a checkpoint, padding
+        the dictionary for this run's size; a checkpoint resharded from another
+        size keeps the vocabulary it was trained with, and fairseq then failed
+        with "Cannot load model parameters ... ensure that the architectures
+        match".
+
+        Raises:
+            UsageError: the rows differ; the message gives the flag to add.
+        """
+        saved = saved_vocabulary_rows(filename)
+        built = model.decoder.embed_tokens.weight.size(0)
+        if saved is not None and saved != built:
+            raise UsageError(
+                f"{path} has a vocabulary of {saved * size} rows (the dictionary padded for the model-parallel "
+                f"size it was first trained at), this model {built * size}: add --padded-vocab-size {saved * size}"
+            )
+
     original_resume = Trainer.load_checkpoint
 
     @functools.wraps(original_resume)
@@ -759,6 +778,7 @@ def _checkpoints_at_another_model_parallel_size() -> None:
             size = parallel_state.get_tensor_model_parallel_world_size()
             if PathManager.isfile(filename):  # each rank checks all parts of this size before any loads
                 check_complete([f for f in output_paths(path, size) if PathManager.isfile(f)])
+                check_vocabulary_rows(self.get_model(), filename, path, size)
             else:
                 try:
                     saved = len(find_part_files(path))

@@ -56,6 +56,7 @@ def main(argv=None) -> int:
             raise UsageError("--model-parallel-size N (N >= 1) is required unless --to-fairseq")
         parts = PartFiles(args.input)
         steps = len(layer_groups(parts.keys)) * args.model_parallel_size * (2 if args.keep_optimizer else 1)
+        padded_vocab_size = parts.padded_vocab_size
         del parts
         with tqdm(total=steps, desc="resharding", unit="layer", disable=None) as bar:
             written = reshard(args.input, args.output, args.model_parallel_size, verify=args.verify,
@@ -65,6 +66,9 @@ def main(argv=None) -> int:
         return 1
     for path in written:
         print(path)
+    if args.keep_optimizer:  # fairseq-train pads the dictionary for the new size unless told
+        print(f"train on with: fairseq-train ... --model-parallel-size {args.model_parallel_size} "
+              f"--restore-file {args.output} --padded-vocab-size {padded_vocab_size}", file=sys.stderr)
     return 0
 
 

@@ -126,6 +126,14 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
                  "fp32 gradients and no loss scaling (train without --fp16/--amp; fairseq's own "
                  "--bf16 means TPU). Evaluation and generation are not affected",
         )
+        parser.add_argument(
+            "--padded-vocab-size", type=int, metavar="N",
+            help="rows of the vocab-parallel embedding and softmax: the dictionary padded with "
+                 "madeupword symbols (default: its size rounded up to a multiple of 8 x the "
+                 "model-parallel size). Checkpoints record it; training on from a checkpoint "
+                 "resharded to another model-parallel size needs the recorded value when the "
+                 "default at the new size differs (fairseq-train says so)",
+        )
 
     @classmethod
     def build_model(cls, args, task):

@@ -95,7 +95,10 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    silently started from scratch; it now stops and says how to reshard.
    Every rank checks that no part file is cut short before any rank loads
    one: a truncated part made its rank fail inside torch.load while the
-   others reported a lost connection.
+   others reported a lost connection. A checkpoint whose vocabulary rows
+   differ from those fairseq-train built (resharded from a size that padded
+   the dictionary differently) stops with the ``--padded-vocab-size`` to
+   pass; fairseq said "Cannot load model parameters".
 14. :func:`_one_line_errors` -- our errors for bad input or a bad launch
    (:class:`fairseq_megatron.errors.UsageError`) reached the user as a
    traceback through fairseq, with the message on its last line; they are

@@ -228,9 +228,10 @@ class PartFiles:
             loaded.append(_load(f, self.mmap))
             if list(loaded[-1]["model"].keys()) != self.keys:
                 raise CheckpointError(f"{f} holds different tensors than {self.files[0]}")
-        for f, state in zip(self.files, loaded):
-            if with_optimizer and not state.get("last_optimizer_state"):
-                raise CheckpointError(f"{f} holds no optimizer state")
+        if with_optimizer:
+            for f, state in zip(self.files, loaded):
+                if not state.get("last_optimizer_state"):
+                    raise CheckpointError(f"{f} holds no optimizer state")
         if self.mmap:
             self._kept = None
         else:

@@ -677,21 +677,16 @@ def _checkpoints_at_another_model_parallel_size() -> None:
 
     original_load = checkpoint_utils.load_model_ensemble_and_task
 
-    def resharded_state(path: str, arg_overrides):
+    def resharded_state(path: str, files: list, arg_overrides):
         """This rank's part of checkpoint ``path``, saved at another
-        model-parallel size, as fairseq's ``load_checkpoint_to_cpu`` returns a
-        state (``arg_overrides`` applied, old formats upgraded); with the file
-        it was read from. None where fairseq's own loading applies: ``path``
-        saved at this size, a gap in the part numbers (fairseq names the
-        missing file), or not one of our checkpoints."""
+        model-parallel size in ``files``, as fairseq's
+        ``load_checkpoint_to_cpu`` returns a state (``arg_overrides`` applied,
+        old formats upgraded); with the file it was read from. None where
+        fairseq's own loading applies: ``path`` saved at this size, no files
+        or a gap in the part numbers (fairseq names the missing file), or not
+        one of our checkpoints."""
         size = parallel_state.get_tensor_model_parallel_world_size()
-        if size == 1 and PathManager.exists(path):
-            return None
-        try:
-            files = find_part_files(path)
-        except FileNotFoundError:
-            return None
-        if len(files) == size:
+        if (size == 1 and PathManager.exists(path)) or not files or len(files) == size:
             return None
         state = checkpoint_utils.load_checkpoint_to_cpu(files[0], arg_overrides)
         if not _is_model_parallel_lm(state):
@@ -711,7 +706,7 @@ def _checkpoints_at_another_model_parallel_size() -> None:
         it failed with errors about model-parallel sizes that did not say so.
 
         Raises:
-            ValueError: ``path`` names one part file of a checkpoint in parts.
+            UsageError: ``path`` names one part file of a checkpoint in parts.
         """
         checkpoint = checkpoint_of_part(path)
         if checkpoint is None:
@@ -724,13 +719,13 @@ def _checkpoints_at_another_model_parallel_size() -> None:
             raise UsageError(f"--path {path} is one of {num_parts} model part files: pass the checkpoint's name, "
                              f"--path {checkpoint} (fairseq adds -model_part-K for each rank)")
 
-    def check_parts_complete(path: str) -> None:
-        """Raise CheckpointError on every rank if a part file of ``path`` is
-        cut short (fairseq reports missing ones)."""
+    def existing_part_files(path: str) -> list:
+        """The files of checkpoint ``path`` (see ``find_part_files``), or none:
+        then fairseq reports the missing file."""
         try:
-            check_complete(find_part_files(path))
+            return find_part_files(path)
         except FileNotFoundError:
-            pass
+            return []
 
     @functools.wraps(original_load)
     def load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, strict=True, suffix="",
@@ -740,8 +735,9 @@ def _checkpoints_at_another_model_parallel_size() -> None:
         ensemble, cfg = [], None
         for filename in filenames:
             refuse_one_part_as_path(filename)
-            check_parts_complete(filename)
-            resharded = resharded_state(filename, arg_overrides)
+            files = existing_part_files(filename)
+            check_complete(files)  # on every rank, before any rank loads a part
+            resharded = resharded_state(filename, files, arg_overrides)
             if resharded is None:
                 models, cfg, task = original_load([filename], arg_overrides, task, strict, suffix, num_shards)
             else:

@@ -91,24 +91,35 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    fairseq-interactive and the hub interface now build each rank's part in
    memory from the parts that exist (the 8 published Megatron-11b parts on
    one GPU, say; :func:`fairseq_megatron.checkpoint_resharding.resharded_model`).
-   fairseq-train resuming in a save dir whose checkpoint has another size
-   silently started from scratch; it now stops and says how to reshard.
    Every rank checks that no part file is cut short before any rank loads
    one: a truncated part made its rank fail inside torch.load while the
-   others reported a lost connection. A checkpoint whose vocabulary rows
-   differ from those fairseq-train built (resharded from a size that padded
-   the dictionary differently) stops with the ``--padded-vocab-size`` to
-   pass; fairseq said "Cannot load model parameters".
+   others reported a lost connection.
 14. :func:`_one_line_errors` -- our errors for bad input or a bad launch
    (:class:`fairseq_megatron.errors.UsageError`) reached the user as a
    traceback through fairseq, with the message on its last line; they are
    now printed as one ``error: ...`` line (exit status 1). Only in those
    tools: a Python program that imports the package keeps its tracebacks.
    ``FAIRSEQ_MEGATRON_TRACEBACK=1`` shows the traceback.
+15. :func:`_training_from_checkpoints_at_another_size` -- fairseq-train
+   resuming in a save dir whose checkpoint has another size silently started
+   from scratch; it now stops and says how to reshard (with the optimizer
+   state: ``fairseq-megatron-reshard --keep-optimizer``). With
+   ``--reset-optimizer`` the weights are resharded in memory instead.
+   ``--finetune-from-model CKPT.pt`` looked for the file CKPT.pt alone, so a
+   checkpoint in parts "does not exist", one file went whole into every
+   rank, and a part's name (``CKPT-model_part-0.pt``) trained every rank on
+   part 0's weights without a word; it now loads each rank's part, or builds
+   it in memory, from a checkpoint saved at any size, and refuses a part's
+   name. A checkpoint whose vocabulary rows differ from those fairseq-train
+   built (saved at a size that padded the dictionary differently) stops with
+   the ``--padded-vocab-size`` to pass; fairseq said "Cannot load model
+   parameters". Every rank checks the part files for truncation first.
 """
 
 import atexit
 import collections.abc
+import contextlib
+import copy
 import functools
 import logging
 import os
@@ -117,6 +128,7 @@ import threading
 import time
 import types
 import weakref
+from typing import Optional
 
 import torch
 
@@ -145,6 +157,7 @@ def install() -> None:
     _nonfinite_gradients_skipped_on_the_device()
     _checkpoints_at_another_model_parallel_size()
     _one_line_errors()
+    _training_from_checkpoints_at_another_size()
     _INSTALLED = True
 
 
@@ -657,75 +670,76 @@ def _is_model_parallel_lm(state: dict) -> bool:
         ARCH_MODEL_REGISTRY.get(arch, type(None)), ModelParallelTransformerLanguageModel)
 
 
+def _existing_part_files(path: str) -> list:
+    """The files of checkpoint ``path`` (see
+    :func:`fairseq_megatron.checkpoint_resharding.find_part_files`), or none
+    (then fairseq reports the missing file, or starts from scratch)."""
+    from fairseq_megatron.checkpoint_resharding import find_part_files
+
+    try:
+        return find_part_files(path)
+    except FileNotFoundError:
+        return []
+
+
+def _refuse_one_part_as(flag: str, path: str) -> None:
+    """``--path ckpt/model-model_part-0.pt`` names one part, not the
+    checkpoint (a common slip with the published Megatron-11b); loading it
+    failed with errors about model-parallel sizes that did not say so, and
+    ``--finetune-from-model`` loaded that one part on every rank.
+
+    Raises:
+        UsageError: ``path`` names one part file of a checkpoint in parts.
+    """
+    from fairseq_megatron.checkpoint_resharding import checkpoint_of_part
+    from fairseq_megatron.errors import UsageError
+
+    checkpoint = checkpoint_of_part(path)
+    num_parts = len(_existing_part_files(checkpoint)) if checkpoint else 0
+    if num_parts > 1:
+        raise UsageError(f"{flag} {path} is one of {num_parts} model part files: pass the checkpoint's name, "
+                         f"{flag} {checkpoint} (fairseq adds -model_part-K for each rank)")
+
+
+def _resharded_state(path: str, files: list, arg_overrides=None):
+    """This rank's part of checkpoint ``path`` (saved at another
+    model-parallel size in ``files``), built in memory, in the form fairseq's
+    ``load_checkpoint_to_cpu(files[0], arg_overrides)`` returns (overrides
+    applied, old formats upgraded; the config records this size); None for a
+    checkpoint of another architecture. The optimizer state, another size's,
+    is dropped."""
+    from fairseq import checkpoint_utils
+
+    from fairseq_megatron import parallel_state
+    from fairseq_megatron.checkpoint_resharding import resharded_model, set_model_parallel_size
+
+    state = checkpoint_utils.load_checkpoint_to_cpu(files[0], arg_overrides)
+    if not _is_model_parallel_lm(state):
+        return None
+    rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    logger.info(f"{path}: {len(files)} model part(s), loaded at model-parallel size {size}: "
+                f"part {rank} resharded in memory")
+    state["model"] = None  # free part 0 before building this rank's part
+    state["model"], padded_vocab_size = resharded_model(path, rank, size)
+    set_model_parallel_size(state, size, padded_vocab_size)
+    state.pop("last_optimizer_state", None)
+    return state
+
+
 def _checkpoints_at_another_model_parallel_size() -> None:
     from fairseq import checkpoint_utils
     from fairseq.file_io import PathManager
-    from fairseq.trainer import Trainer
 
     from fairseq_megatron import parallel_state
-    from fairseq_megatron.checkpoint_resharding import (
-        check_complete,
-        checkpoint_of_part,
-        find_part_files,
-        output_paths,
-        resharded_model,
-        saved_vocabulary_rows,
-        set_model_parallel_size,
-    )
-    from fairseq_megatron.errors import UsageError
-    from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
+    from fairseq_megatron.checkpoint_resharding import check_complete
 
     original_load = checkpoint_utils.load_model_ensemble_and_task
 
-    def resharded_state(path: str, files: list, arg_overrides):
-        """This rank's part of checkpoint ``path``, saved at another
-        model-parallel size in ``files``, as fairseq's
-        ``load_checkpoint_to_cpu`` returns a state (``arg_overrides`` applied,
-        old formats upgraded); with the file it was read from. None where
-        fairseq's own loading applies: ``path`` saved at this size, no files
-        or a gap in the part numbers (fairseq names the missing file), or not
-        one of our checkpoints."""
+    def needs_resharding(path: str, files: list) -> bool:
+        """Whether ``files`` hold checkpoint ``path`` at another size than
+        this run's (fairseq then found no file, or the wrong one)."""
         size = parallel_state.get_tensor_model_parallel_world_size()
-        if (size == 1 and PathManager.exists(path)) or not files or len(files) == size:
-            return None
-        state = checkpoint_utils.load_checkpoint_to_cpu(files[0], arg_overrides)
-        if not _is_model_parallel_lm(state):
-            return None
-        rank = parallel_state.get_tensor_model_parallel_rank()
-        logger.info(f"{path}: {len(files)} model part(s), loaded at model-parallel size {size}: "
-                    f"part {rank} resharded in memory")
-        state["model"] = None  # free part 0 before building this rank's part
-        state["model"], padded_vocab_size = resharded_model(path, rank, size)
-        set_model_parallel_size(state, size, padded_vocab_size)
-        state.pop("last_optimizer_state", None)  # another size's optimizer state; unused here
-        return files[0], state
-
-    def refuse_one_part_as_path(path: str) -> None:
-        """``--path ckpt/model-model_part-0.pt`` names one part, not the
-        checkpoint (a common slip with the published Megatron-11b); loading
-        it failed with errors about model-parallel sizes that did not say so.
-
-        Raises:
-            UsageError: ``path`` names one part file of a checkpoint in parts.
-        """
-        checkpoint = checkpoint_of_part(path)
-        if checkpoint is None:
-            return
-        try:
-            num_parts = len(find_part_files(checkpoint))
-        except FileNotFoundError:
-            return
-        if num_parts > 1:
-            raise UsageError(f"--path {path} is one of {num_parts} model part files: pass the checkpoint's name, "
-                             f"--path {checkpoint} (fairseq adds -model_part-K for each rank)")
-
-    def existing_part_files(path: str) -> list:
-        """The files of checkpoint ``path`` (see ``find_part_files``), or none:
-        then fairseq reports the missing file."""
-        try:
-            return find_part_files(path)
-        except FileNotFoundError:
-            return []
+        return bool(files) and len(files) != size and not (size == 1 and PathManager.exists(path))
 
     @functools.wraps(original_load)
     def load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, strict=True, suffix="",
@@ -734,65 +748,146 @@ def _checkpoints_at_another_model_parallel_size() -> None:
             return original_load(filenames, arg_overrides, task, strict, suffix, num_shards, state)
         ensemble, cfg = [], None
         for filename in filenames:
-            refuse_one_part_as_path(filename)
-            files = existing_part_files(filename)
+            _refuse_one_part_as("--path", filename)
+            files = _existing_part_files(filename)
             check_complete(files)  # on every rank, before any rank loads a part
-            resharded = resharded_state(filename, files, arg_overrides)
-            if resharded is None:
+            part_state = _resharded_state(filename, files, arg_overrides) if needs_resharding(filename, files) else None
+            if part_state is None:
                 models, cfg, task = original_load([filename], arg_overrides, task, strict, suffix, num_shards)
             else:
                 # fairseq checks that a file of the given name exists, then uses the state given.
-                source, part_state = resharded
-                models, cfg, task = original_load([source], arg_overrides, task, strict, "", 1, part_state)
+                models, cfg, task = original_load([files[0]], arg_overrides, task, strict, "", 1, part_state)
             ensemble.extend(models)
         return ensemble, cfg, task
 
     checkpoint_utils.load_model_ensemble_and_task = load_model_ensemble_and_task
 
-    def check_vocabulary_rows(model, filename: str, path: str, size: int) -> None:
+
+@contextlib.contextmanager
+def _checkpoint_read_as(filename: str, build_state):
+    """Within this context fairseq's ``load_checkpoint_to_cpu(filename)``
+    returns ``build_state()`` instead of reading the file: only on the ranks
+    where fairseq reads (the trainer reads on data-parallel rank 0 and
+    broadcasts to the others), and once."""
+    from fairseq import checkpoint_utils
+
+    original = checkpoint_utils.load_checkpoint_to_cpu
+
+    @functools.wraps(original)
+    def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+        if path != filename:
+            return original(path, arg_overrides, load_on_all_ranks)
+        checkpoint_utils.load_checkpoint_to_cpu = original  # build_state reads through it
+        return build_state()
+
+    checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu
+    try:
+        yield
+    finally:
+        checkpoint_utils.load_checkpoint_to_cpu = original
+
+
+def _training_from_checkpoints_at_another_size() -> None:
+    from fairseq import checkpoint_utils
+    from fairseq.file_io import PathManager
+    from fairseq.trainer import Trainer
+
+    from fairseq_megatron import parallel_state
+    from fairseq_megatron.checkpoint_resharding import check_complete, output_paths, saved_vocabulary_rows
+    from fairseq_megatron.errors import UsageError
+    from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
+
+    def check_vocabulary_rows(model, saved: Optional[int], path: str, size: int) -> None:
         """fairseq-train builds the model before it loads a checkpoint, padding
-        the dictionary for this run's size; a checkpoint resharded from another
-        size keeps the vocabulary it was trained with, and fairseq then failed
-        with "Cannot load model parameters ... ensure that the architectures
-        match".
+        the dictionary for this run's size; a checkpoint from another size
+        keeps the vocabulary it was trained with (``saved`` rows in all
+        parts, None when unknown), and fairseq then failed with "Cannot load
+        model parameters ... ensure that the architectures match".
 
         Raises:
             UsageError: the rows differ; the message gives the flag to add.
         """
-        saved = saved_vocabulary_rows(filename)
-        built = model.decoder.embed_tokens.weight.size(0)
+        built = model.decoder.embed_tokens.weight.size(0) * size
         if saved is not None and saved != built:
             raise UsageError(
-                f"{path} has a vocabulary of {saved * size} rows (the dictionary padded for the model-parallel "
-                f"size it was first trained at), this model {built * size}: add --padded-vocab-size {saved * size}"
+                f"{path} has a vocabulary of {saved} rows (the dictionary padded for the model-parallel "
+                f"size it was first trained at), this model {built}: add --padded-vocab-size {saved}"
             )
 
     original_resume = Trainer.load_checkpoint
 
     @functools.wraps(original_resume)
-    def load_checkpoint(self, filename, *args, **kwargs):
-        suffix = self.checkpoint_suffix + ".pt"
-        if isinstance(self.get_model(), ModelParallelTransformerLanguageModel) and filename.endswith(suffix):
-            path = filename[: -len(suffix)] + ".pt"
-            size = parallel_state.get_tensor_model_parallel_world_size()
-            if PathManager.isfile(filename):  # each rank checks all parts of this size before any loads
-                check_complete([f for f in output_paths(path, size) if PathManager.isfile(f)])
-                check_vocabulary_rows(self.get_model(), filename, path, size)
-            else:
-                try:
-                    saved = len(find_part_files(path))
-                except FileNotFoundError:
-                    saved = size  # no checkpoint at all: fairseq starts from scratch
-                if saved != size:
-                    raise UsageError(
-                        f"{path} was saved at model-parallel size {saved}, this run has size {size}: resume "
-                        f"with --model-parallel-size {saved}, or reshard it with its optimizer state "
-                        f"(fairseq-megatron-reshard --input {path} --output NEW.pt --model-parallel-size "
-                        f"{size} --keep-optimizer) and train with --restore-file NEW.pt"
-                    )
-        return original_resume(self, filename, *args, **kwargs)
+    def load_checkpoint(self, filename, reset_optimizer=False, *args, **kwargs):
+        def load(name):
+            return original_resume(self, name, reset_optimizer, *args, **kwargs)
+
+        model, suffix = self.get_model(), self.checkpoint_suffix + ".pt"
+        if not (isinstance(model, ModelParallelTransformerLanguageModel) and filename.endswith(suffix)):
+            return load(filename)
+        path = filename[: -len(suffix)] + ".pt"
+        size = parallel_state.get_tensor_model_parallel_world_size()
+        if PathManager.isfile(filename):  # each rank checks all parts of this size before any loads
+            check_complete([f for f in output_paths(path, size) if PathManager.isfile(f)])
+            rows = saved_vocabulary_rows(filename)
+            check_vocabulary_rows(model, rows and rows * size, path, size)
+            return load(filename)
+        files = _existing_part_files(path)
+        if not files:
+            return load(filename)  # no checkpoint at all: fairseq starts from scratch
+        if not reset_optimizer:
+            raise UsageError(
+                f"{path} was saved at model-parallel size {len(files)}, this run has size {size}: resume with "
+                f"--model-parallel-size {len(files)}, or reshard it with its optimizer state "
+                f"(fairseq-megatron-reshard --input {path} --output NEW.pt --model-parallel-size {size} "
+                f"--keep-optimizer) and train with --restore-file NEW.pt; with --reset-optimizer (as "
+                f"--finetune-from-model) the weights alone are resharded in memory"
+            )
+        check_complete(files)  # every rank checks what only some ranks will read
+        rows = saved_vocabulary_rows(files[0])
+        check_vocabulary_rows(model, rows and rows * len(files), path, size)
+
+        def this_ranks_part():
+            state = _resharded_state(path, files)
+            if state is None:
+                raise UsageError(f"{path} does not hold a model-parallel transformer LM of fairseq_megatron: "
+                                 f"it cannot be split into model parts")
+            return state
+
+        with _checkpoint_read_as(files[0], this_ranks_part):  # fairseq logs the name files[0]
+            return load(files[0])
 
     Trainer.load_checkpoint = load_checkpoint
+
+    original_start = checkpoint_utils.load_checkpoint
+
+    @functools.wraps(original_start)
+    def load_checkpoint_or_pretrained_model(cfg, trainer, **passthrough_args):
+        """fairseq's ``--finetune-from-model PATH`` on a first launch loads
+        the file PATH itself into every rank: a checkpoint in parts was
+        "does not exist", and one file went whole into each part. It is
+        fairseq's ``--restore-file PATH`` with every ``--reset-*`` flag, and
+        that loads each rank's part, or builds it in memory (above)."""
+        path = cfg.finetune_from_model
+        if (
+            path is None
+            or not isinstance(trainer.get_model(), ModelParallelTransformerLanguageModel)
+            or cfg.restore_file != "checkpoint_last.pt"  # fairseq refuses both
+            or any((cfg.reset_optimizer, cfg.reset_lr_scheduler, cfg.reset_meters, cfg.reset_dataloader))
+            or getattr(cfg, "continue_once", None) is not None
+            or PathManager.exists(os.path.join(cfg.save_dir, f"checkpoint_last{trainer.checkpoint_suffix}.pt"))
+        ):
+            return original_start(cfg, trainer, **passthrough_args)
+        _refuse_one_part_as("--finetune-from-model", path)
+        if not _existing_part_files(path):
+            raise UsageError(f"--finetune-from-model {path}: no such checkpoint, and no model part files "
+                             f"{path[: -len('.pt')]}-model_part-K.pt")
+        logger.info(f"fine-tuning from {path}: optimizer, lr scheduler, meters and data loader start afresh")
+        cfg = copy.deepcopy(cfg)
+        cfg.finetune_from_model, cfg.restore_file = None, path
+        cfg.reset_optimizer = cfg.reset_lr_scheduler = cfg.reset_meters = cfg.reset_dataloader = True
+        return original_start(cfg, trainer, **passthrough_args)
+
+    checkpoint_utils.load_checkpoint = load_checkpoint_or_pretrained_model
 
 
 def _running_a_fairseq_tool() -> bool:

@@ -233,6 +233,11 @@ def test_resharded_optimizer_state_resumes_training_at_another_size(trained, tmp
     assert refused.rstrip().splitlines()[-1] == (
         f"error: {size1 / 'checkpoint_last.pt'} has a vocabulary of 512 rows (the dictionary padded for the "
         f"model-parallel size it was first trained at), this model 504: add --padded-vocab-size 512"), refused[-3000:]
+    # fine-tuning at size 1 from the size-2 parts (joined in memory) meets the same rows
+    refused = train_on(tmp_path / "finetune", 1, "--finetune-from-model", str(size2 / "checkpoint_last.pt"))
+    assert refused.rstrip().splitlines()[-1] == (
+        f"error: {size2 / 'checkpoint_last.pt'} has a vocabulary of 512 rows (the dictionary padded for the "
+        f"model-parallel size it was first trained at), this model 504: add --padded-vocab-size 512"), refused[-3000:]
     at_2 = train_on(size2, 2)
     at_1 = train_on(size1, 1, "--padded-vocab-size", "512")
     reset = train_on(size1, 1, "--padded-vocab-size", "512", reset_optimizer=True)
@@ -243,6 +248,61 @@ def test_resharded_optimizer_state_resumes_training_at_another_size(trained, tmp
     assert reset["loss"][0] == at_1["loss"][0]  # the same weights and batch before the first update
     # then Adam's moments start from zero: the losses part by far more than the tolerance
     assert max(abs(a - b) for a, b in zip(reset["loss"][1:], at_1["loss"][1:])) > 10 * 1.1e-3, (reset, at_1)
+
+
+def test_fine_tuning_from_a_checkpoint_saved_at_any_size(trained, tmp_path):
+    """``--finetune-from-model CKPT.pt`` with CKPT saved in 2 parts, at size
+    2 (each rank its own part) and at size 1 (the parts joined in memory),
+    and with CKPT one file at size 2 (split in memory), trains on with the
+    same loss per update as the documented equivalent at the saved layout:
+    ``--restore-file`` with every ``--reset-*`` flag, at size 1 from one
+    file. fairseq looked only for the file CKPT.pt itself, so the parts were
+    "does not exist" at every size, and at size 2 one file was loaded whole
+    into each rank. A part file's name is refused with the name to pass:
+    every rank loaded that same part. Dropout is off, so every size computes
+    the same function; tolerance: one unit of the 3 printed decimals (fp32
+    summation order). A run from fresh weights is the control: its first
+    loss is far from the fine-tuned ones."""
+    parts, one = tmp_path / "parts", tmp_path / "one"
+    parts.mkdir()
+    for name in ("checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt"):
+        shutil.copy(os.path.join(trained["ckpt"], name), parts)
+    reshard(str(parts / "checkpoint_last.pt"), str(one / "model.pt"), 1)
+
+    def train(name, size, *extra, check=True):
+        args = train_args(trained["data"], str(tmp_path / name), max_update=3)
+        args[args.index("--model-parallel-size") + 1] = str(size)
+        args += ["--dropout", "0", "--attention-dropout", "0", "--no-save", *extra]
+        rc, log = fairseq("train", args, nproc=2 if size == 2 else None, check=check)
+        if not check:
+            return rc, log
+        assert f"training on {size} devices" in log, log[-3000:]
+        return log
+
+    resets = ["--reset-optimizer", "--reset-lr-scheduler", "--reset-meters", "--reset-dataloader"]
+    reference = train("reference", 1, "--restore-file", str(one / "model.pt"), *resets)
+    assert "(epoch 1 @ 0 updates)" in reference, reference[-3000:]
+    runs = {
+        "parts at size 2": train("a", 2, "--finetune-from-model", str(parts / "checkpoint_last.pt")),
+        "parts at size 1": train("b", 1, "--finetune-from-model", str(parts / "checkpoint_last.pt")),
+        "one file at size 2": train("c", 2, "--finetune-from-model", str(one / "model.pt")),
+        "one file at size 1": train("d", 1, "--finetune-from-model", str(one / "model.pt")),
+    }
+    expected = _per_update(reference, "loss")
+    assert len(expected) == 3, reference[-3000:]
+    for what, log in runs.items():
+        assert "(epoch 1 @ 0 updates)" in log, (what, log[-3000:])
+        losses = _per_update(log, "loss")
+        assert len(losses) == 3 and all(abs(a - b) <= 1.1e-3 for a, b in zip(losses, expected)), \
+            (what, losses, expected)
+    fresh = _per_update(train("fresh", 2), "loss")
+    assert abs(fresh[0] - expected[0]) > 10 * 1.1e-3, (fresh, expected)
+
+    part = str(parts / "checkpoint_last-model_part-0.pt")
+    rc, log = train("e", 2, "--finetune-from-model", part, check=False)
+    assert rc != 0 and "num_updates" not in log, log[-3000:]
+    assert (f"error: --finetune-from-model {part} is one of 2 model part files: pass the checkpoint's name, "
+            f"--finetune-from-model {parts / 'checkpoint_last.pt'}") in log, log[-3000:]
 
 
 def test_export_evaluates_in_stock_fairseq_without_user_dir(trained):

@@ -26,9 +26,11 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    GPU device id to torch's DistributedDataParallel.
 4. :func:`_trusted_checkpoint_loading` -- torch >= 2.6 loads with
    ``weights_only=True``; fairseq checkpoints hold argparse/omegaconf objects.
-   fairseq's checkpoint loader (only it) again loads full pickles. **Only load
-   checkpoints you trust** (your own, or the published Megatron-11b files):
-   unpickling can run code.
+   fairseq's checkpoint loader again loads full pickles, and so does its
+   ``broadcast_object``, which sends a loaded checkpoint to the other ranks
+   of a data-parallel group (it failed for any training resumed with two or
+   more groups). **Only load checkpoints you trust** (your own, or the
+   published Megatron-11b files): unpickling can run code.
 5. :func:`_shard_by_data_parallel_rank` -- ``fairseq-eval-lm`` and
    ``fairseq-generate`` shard the data by global rank, so the ranks of one
    model-parallel group would see different batches. With model parallelism
@@ -114,6 +116,13 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    built (saved at a size that padded the dictionary differently) stops with
    the ``--padded-vocab-size`` to pass; fairseq said "Cannot load model
    parameters". Every rank checks the part files for truncation first.
+16. :func:`_broadcast_from_a_rank_of_the_group` -- with several data-parallel
+   groups the trainer reads a checkpoint on each group's first rank and
+   sends it to the others with fairseq's ``broadcast_object(state,
+   src_rank=0, group)``, which handed torch the rank within the group where
+   torch takes a global rank: "Global rank 0 is not part of group" on every
+   model-parallel rank but 0, so no run with model and data parallelism
+   could resume or fine-tune. (The receiving ranks' unpickling is step 4's.)
 """
 
 import atexit
@@ -158,6 +167,7 @@ def install() -> None:
     _checkpoints_at_another_model_parallel_size()
     _one_line_errors()
     _training_from_checkpoints_at_another_size()
+    _broadcast_from_a_rank_of_the_group()
     _INSTALLED = True
 
 
@@ -275,8 +285,10 @@ class _TorchStandIn(types.ModuleType):
 
 
 class _TorchWithTrustedLoad(_TorchStandIn):
-    """``torch`` inside ``fairseq.checkpoint_utils``: ``torch.load`` defaults
-    to ``weights_only=False`` there."""
+    """``torch`` inside ``fairseq.checkpoint_utils`` and
+    ``fairseq.distributed.utils`` (which unpickles a checkpoint state sent
+    from another rank): ``torch.load`` defaults to ``weights_only=False``
+    there."""
 
     @staticmethod
     def load(f, *args, **kwargs):
@@ -286,9 +298,11 @@ class _TorchWithTrustedLoad(_TorchStandIn):
 
 def _trusted_checkpoint_loading() -> None:
     from fairseq import checkpoint_utils
+    from fairseq.distributed import utils as distributed_utils
 
-    if not isinstance(checkpoint_utils.torch, _TorchWithTrustedLoad):
-        checkpoint_utils.torch = _TorchWithTrustedLoad()
+    for module in (checkpoint_utils, distributed_utils):
+        if not isinstance(module.torch, _TorchWithTrustedLoad):
+            module.torch = _TorchWithTrustedLoad()
 
 
 def _data_parallel_shard(num_shards: int, shard_id: int):
@@ -914,3 +928,21 @@ def _one_line_errors() -> None:
             previous(kind, value, traceback)
 
     sys.excepthook = excepthook
+
+
+def _broadcast_from_a_rank_of_the_group() -> None:
+    import torch.distributed as dist
+    from fairseq.distributed import utils as distributed_utils
+
+    original = distributed_utils.broadcast
+
+    @functools.wraps(original)
+    def broadcast(tensor, src, group):
+        """fairseq's ``broadcast_object`` and ``broadcast_tensors`` name the
+        source by its rank within ``group`` (they compare it with
+        ``get_rank(group)``); torch's ``broadcast`` takes a global rank."""
+        if group is not None and not distributed_utils.use_xla():
+            src = dist.get_global_rank(group, src)
+        return original(tensor, src, group)
+
+    distributed_utils.broadcast = broadcast

@@ -520,6 +520,40 @@ def test_two_data_parallel_groups_equal_one_with_update_freq_2(trained, model_pa
     assert _per_update(logs[2], "bsz") == [8.0] * 3  # 4 sequences in each of the 2 groups
 
 
+def test_two_data_parallel_groups_fine_tune_and_resume(trained, tmp_path):
+    """World size 4 at model-parallel size 2: 2 updates fine-tuned from a
+    size-1 file (each group's data-parallel rank 0 builds its part in memory
+    and fairseq sends it to the other group), saved, then resumed for 2 more,
+    log the same loss per update as one group with ``--update-freq 2`` (as
+    in the test above) fine-tuned from the parts for 4. Loading any
+    checkpoint with two groups failed in fairseq's broadcast: the source was
+    given as a rank within the data-parallel group where torch takes a
+    global one ("Global rank 0 is not part of group" on model-parallel rank
+    1's group), and torch >= 2.6 unpickled the sent state with
+    ``weights_only=True`` (refused on fairseq's config objects). Dropout is
+    off; tolerance: one unit of the 3 printed decimals (fp32 summation
+    order)."""
+    one = tmp_path / "one" / "model.pt"
+    reshard(os.path.join(trained["ckpt"], "checkpoint_last.pt"), str(one), 1)
+
+    def train(save_dir, max_update, nproc, *extra):
+        args = train_args(trained["data"], str(tmp_path / save_dir), max_update)
+        args += ["--dropout", "0", "--attention-dropout", "0", *extra]
+        log = fairseq("train", args, nproc=nproc)[1]
+        assert f"training on {nproc} devices" in log, log[-3000:]
+        return log
+
+    first = train("four", 2, 4, "--finetune-from-model", str(one))
+    assert "(epoch 1 @ 0 updates)" in first, first[-3000:]
+    resumed = train("four", 4, 4, "--finetune-from-model", str(one))  # checkpoint_last now exists
+    assert "(epoch 1 @ 2 updates)" in resumed, resumed[-3000:]
+    whole = train("two", 4, 2, "--finetune-from-model", os.path.join(trained["ckpt"], "checkpoint_last.pt"),
+                  "--update-freq", "2", "--no-save")
+    four, two = _per_update(first, "loss") + _per_update(resumed, "loss"), _per_update(whole, "loss")
+    assert len(four) == len(two) == 4, (four, two)
+    assert all(abs(a - b) <= 1.1e-3 for a, b in zip(four, two)), (four, two)
+
+
 def test_eval_lm_over_two_data_parallel_groups(trained, tmp_path):
     """World size 4 at model-parallel size 2 (two data-parallel groups, each
     DataLoader with 2 workers, an odd number of batches) prints the loss of

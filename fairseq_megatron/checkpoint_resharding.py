@@ -71,29 +71,72 @@ def output_paths(path: str, num_parts: int) -> List[str]:
     return [path] if num_parts == 1 else [part_path(path, r) for r in range(num_parts)]
 
 
+def _part_ranks(path: str) -> List[int]:
+    """The K of every ``<path>-model_part-K.pt`` on disk, ascending."""
+    prefix = part_path(path, 0)[: -len("0.pt")]
+    tails = (p[len(prefix): -len(".pt")] for p in glob.glob(glob.escape(prefix) + "*.pt"))
+    return sorted(int(tail) for tail in tails if tail.isdigit())
+
+
 def find_part_files(path: str) -> List[str]:
     """The part files of checkpoint ``path`` (the ``--path`` given to fairseq), in rank order.
 
     A checkpoint saved at model-parallel size 1 is the file itself.
 
     Raises:
-        FileNotFoundError: neither ``path`` nor any ``<path>-model_part-K.pt``
-            exists, or the part numbers have a gap.
+        FileNotFoundError: neither ``path`` nor any ``<path>-model_part-K.pt`` exists.
+        CheckpointError: the part numbers have a gap, or ``path`` and part
+            files both exist (checkpoints of two sizes under one name: which
+            one was meant cannot be told).
     """
-    if os.path.exists(path) and not os.path.exists(part_path(path, 0)):
+    ranks = _part_ranks(path)
+    if os.path.exists(path):
+        if ranks:
+            raise CheckpointError(
+                f"{path} and model part file(s) {part_path(path, ranks[0])} ... {part_path(path, ranks[-1])} "
+                f"both exist: checkpoints of two model-parallel sizes under one name; move away the one not meant"
+            )
         return [path]
-    prefix = part_path(path, 0)[: -len("0.pt")]
-    ranks = sorted(
-        int(tail)
-        for tail in (p[len(prefix): -len(".pt")] for p in glob.glob(glob.escape(prefix) + "*.pt"))
-        if tail.isdigit()
-    )
     if not ranks:
         raise FileNotFoundError(f"no checkpoint {path} and no model part files {part_path(path, 0)}, ...")
     missing = sorted(set(range(ranks[-1] + 1)) - set(ranks))
     if missing:
-        raise FileNotFoundError(f"model part file {part_path(path, missing[0])} is missing")
+        raise CheckpointError(f"model part file {part_path(path, missing[0])} is missing")
     return [part_path(path, r) for r in ranks]
+
+
+def check_part_count(path: str, files: List[str], first: Optional[dict] = None) -> None:
+    """Raise CheckpointError where ``files`` (from :func:`find_part_files`)
+    are not as many as the model-parallel size checkpoint ``path`` records
+    (read from ``files[0]``, or ``first``, its loaded state): its last parts
+    were lost, which the part numbers alone cannot show."""
+    if first is None:
+        first = read_checkpoint(files[0])
+    recorded = int(config_value(model_config(first), "model_parallel_size", 1) or 1)
+    if files[0] != path and recorded > len(files):
+        raise CheckpointError(
+            f"model part file {part_path(path, len(files))} is missing: {path} was saved at "
+            f"model-parallel size {recorded}"
+        )
+    if recorded != len(files):
+        raise CheckpointError(
+            f"{path}: the checkpoint was saved at model-parallel size {recorded} but "
+            f"{len(files)} part file(s) exist"
+        )
+
+
+def check_output_name(output_path: str, outputs: List[str]) -> None:
+    """Raise CheckpointError where checkpoint files other than ``outputs``
+    (the files of one size) exist under the name ``output_path``: writing
+    would leave two sizes under one name, which :func:`find_part_files`
+    refuses to choose between."""
+    existing = ([output_path] if os.path.exists(output_path) else []) + [
+        part_path(output_path, r) for r in _part_ranks(output_path)]
+    stale = [f for f in existing if f not in outputs]
+    if stale:
+        raise CheckpointError(f"{stale[0]} exists under the output name {output_path} and is not one of the "
+                              f"files to write: the name would hold two model-parallel sizes; choose another "
+                              f"output or remove it")
 
 
 # ------------------------------------------------------------------ configs
@@ -239,17 +282,7 @@ class PartFiles:
         del loaded
         self.metadata = {k: v for k, v in first.items() if k != "model"}
         self.aliases = tied_keys(first["model"])
-        recorded = int(config_value(model_config(first), "model_parallel_size", 1) or 1)
-        if self.files[0] != path and recorded > len(self.files):  # the last parts are missing
-            raise CheckpointError(
-                f"model part file {part_path(path, len(self.files))} is missing: {path} was saved at "
-                f"model-parallel size {recorded}"
-            )
-        if recorded != len(self.files):
-            raise CheckpointError(
-                f"{path}: the checkpoint was saved at model-parallel size {recorded} but "
-                f"{len(self.files)} part file(s) exist"
-            )
+        check_part_count(path, self.files, first)
         self.padded_vocab_size = first["model"]["decoder.embed_tokens.weight"].size(0) * len(self.files)
 
     def __len__(self):
@@ -453,7 +486,8 @@ def _metadata_for_size(metadata: dict) -> dict:
     return state
 
 
-def _prepare(input_path: str, outputs: List[str], with_optimizer: bool = False) -> PartFiles:
+def _prepare(input_path: str, output_path: str, outputs: List[str], with_optimizer: bool = False) -> PartFiles:
+    check_output_name(output_path, outputs)
     parts = PartFiles(input_path, with_optimizer)
     inputs = {os.path.realpath(f) for f in parts.files}
     for o in outputs:
@@ -514,12 +548,13 @@ def reshard(input_path: str, output_path: str, new_size: int, verify: bool = Tru
     Raises:
         FileNotFoundError / CheckpointError: bad input (see :class:`PartFiles`),
             a size that does not divide the model, outputs that would
-            overwrite inputs, a failed verification, or with
+            overwrite inputs or sit beside another size's files under the
+            same name, a failed verification, or with
             ``with_optimizer`` a part without optimizer state or a state
             that cannot be split (see :func:`optimizer_state_per_parameter`).
     """
     outputs = output_paths(output_path, new_size)
-    parts = _prepare(input_path, outputs, with_optimizer)
+    parts = _prepare(input_path, output_path, outputs, with_optimizer)
     check_divisible(model_config(parts.metadata), parts.padded_vocab_size, new_size)
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
     for rank, out in enumerate(outputs):
@@ -592,7 +627,7 @@ def export_to_fairseq(input_path: str, output_path: str, vocab_size: Optional[in
         CheckpointError: as :func:`reshard`, or ``vocab_size`` larger than the
             checkpoint's vocabulary.
     """
-    parts = _prepare(input_path, [output_path])
+    parts = _prepare(input_path, output_path, [output_path])
     model = _model_part(parts, 0, 1, check_replicas=True, progress=None)
     rows = parts.padded_vocab_size
     if vocab_size is not None:

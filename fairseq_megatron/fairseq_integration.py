@@ -807,7 +807,12 @@ def _training_from_checkpoints_at_another_size() -> None:
     from fairseq.trainer import Trainer
 
     from fairseq_megatron import parallel_state
-    from fairseq_megatron.checkpoint_resharding import check_complete, output_paths, saved_vocabulary_rows
+    from fairseq_megatron.checkpoint_resharding import (
+        check_complete,
+        check_part_count,
+        find_part_files,
+        saved_vocabulary_rows,
+    )
     from fairseq_megatron.errors import UsageError
     from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
 
@@ -840,14 +845,16 @@ def _training_from_checkpoints_at_another_size() -> None:
             return load(filename)
         path = filename[: -len(suffix)] + ".pt"
         size = parallel_state.get_tensor_model_parallel_world_size()
-        if PathManager.isfile(filename):  # each rank checks all parts of this size before any loads
-            check_complete([f for f in output_paths(path, size) if PathManager.isfile(f)])
+        try:
+            files = find_part_files(path)
+        except FileNotFoundError:
+            return load(filename)  # no checkpoint at all: fairseq starts from scratch
+        check_complete(files)  # each rank checks every part before any rank loads one
+        if len(files) == size and PathManager.isfile(filename):
             rows = saved_vocabulary_rows(filename)
             check_vocabulary_rows(model, rows and rows * size, path, size)
             return load(filename)
-        files = _existing_part_files(path)
-        if not files:
-            return load(filename)  # no checkpoint at all: fairseq starts from scratch
+        check_part_count(path, files)  # parts lost are not another size
         if not reset_optimizer:
             raise UsageError(
                 f"{path} was saved at model-parallel size {len(files)}, this run has size {size}: resume with "
@@ -856,7 +863,11 @@ def _training_from_checkpoints_at_another_size() -> None:
                 f"--keep-optimizer) and train with --restore-file NEW.pt; with --reset-optimizer (as "
                 f"--finetune-from-model) the weights alone are resharded in memory"
             )
-        check_complete(files)  # every rank checks what only some ranks will read
+        save_dir = self.cfg.checkpoint.save_dir
+        if (not self.cfg.checkpoint.no_save and os.path.basename(path).startswith("checkpoint")
+                and os.path.realpath(os.path.dirname(path)) == os.path.realpath(save_dir)):
+            raise UsageError(f"{path} is in --save-dir {save_dir}, where this run would save checkpoints of "
+                             f"model-parallel size {size} under the same names: pass another --save-dir")
         rows = saved_vocabulary_rows(files[0])
         check_vocabulary_rows(model, rows and rows * len(files), path, size)
 

@@ -6,6 +6,7 @@ in row-parallel layers and the gathered vocabulary changes (~1e-6).
 """
 
 import os
+import re
 import subprocess
 import sys
 from argparse import Namespace
@@ -414,3 +415,37 @@ def test_mixed_parts_from_two_checkpoints(tmp_path):
     with pytest.raises(CheckpointError, match="differs between model part 0 and part 1"):
         reshard(a, str(tmp_path / "m.pt"), 1)
     assert PartFiles(a).padded_vocab_size == 64
+
+
+def test_two_sizes_under_one_name_are_refused(tmp_path):
+    """A name holding a whole file and part files (a size-1 checkpoint
+    written beside size-2 parts): which one loaded depended on the size
+    asked for. Reading refuses to choose; resharding refuses to create such
+    a name, or to leave another size's parts beside its output, and writes
+    nothing. A gap in the part numbers is a damaged checkpoint, not a
+    missing one."""
+    path = str(tmp_path / "model.pt")
+    save_checkpoint(path, 2)
+    other = str(tmp_path / "other" / "model.pt")
+    os.makedirs(os.path.dirname(other))
+    save_checkpoint(other, 4)
+
+    def listing():
+        return sorted((p, os.stat(p).st_mtime_ns) for p in map(str, tmp_path.rglob("*.pt")))
+
+    before = listing()
+    with pytest.raises(CheckpointError, match=re.escape(f"{part_path(path, 0)} exists under the output name {path}")):
+        reshard(path, path, 1)
+    with pytest.raises(CheckpointError, match=re.escape(f"{part_path(other, 2)} exists under the output name {other}")):
+        reshard(path, other, 2)  # parts 2 and 3 of the size-4 checkpoint would stay
+    assert listing() == before
+    reshard(path, other.replace("model.pt", "fresh.pt"), 2)  # a clean name is written
+
+    os.link(part_path(path, 0), path)
+    with pytest.raises(CheckpointError, match="both exist: checkpoints of two model-parallel sizes under one name"):
+        find_part_files(path)
+    os.remove(path)
+
+    os.rename(part_path(other, 1), str(tmp_path / "aside.pt"))
+    with pytest.raises(CheckpointError, match=re.escape(f"model part file {part_path(other, 1)} is missing")):
+        find_part_files(other)

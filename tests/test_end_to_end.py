@@ -191,6 +191,14 @@ def test_resuming_at_another_size_stops_instead_of_starting_over(trained, tmp_pa
             "--model-parallel-size 2, or reshard it with its optimizer state") in out, out[-3000:]
     assert "num_updates" not in out  # no update ran
     assert _listing(tmp_path) == before
+    # with --reset-optimizer the weights would load, but the run would save a
+    # size-1 checkpoint_last.pt beside the size-2 parts
+    rc, out = fairseq("train", args + ["--reset-optimizer"], check=False)
+    assert rc != 0 and "num_updates" not in out, out[-3000:]
+    assert out.rstrip().splitlines()[-1] == (
+        f"error: {tmp_path / 'checkpoint_last.pt'} is in --save-dir {tmp_path}, where this run would save "
+        f"checkpoints of model-parallel size 1 under the same names: pass another --save-dir"), out[-3000:]
+    assert _listing(tmp_path) == before
 
 
 def test_resharded_optimizer_state_resumes_training_at_another_size(trained, tmp_path, capsys):
@@ -415,6 +423,12 @@ def test_missing_part_file_is_reported(trained):
                       nproc=2, check=False)
     assert rc != 0
     assert "checkpoint_last-model_part-1.pt" in out
+    # fairseq-train resuming there: rank 0 loaded its part, rank 1 was told
+    # the checkpoint had another size; now both name the missing part
+    rc, out = fairseq("train", train_args(trained["data"], str(broken), max_update=9), nproc=2, check=False)
+    line = (f"error: model part file {broken / 'checkpoint_last-model_part-1.pt'} is missing: "
+            f"{broken / 'checkpoint_last.pt'} was saved at model-parallel size 2")
+    assert rc != 0 and f"[rank0]: {line}" in out and f"[rank1]: {line}" in out, out[-3000:]
 
 
 def test_a_truncated_part_file_is_one_error_line_on_every_rank(trained, tmp_path):

@@ -876,6 +876,8 @@ def _training_from_checkpoints_at_another_size() -> None:
             if state is None:
                 raise UsageError(f"{path} does not hold a model-parallel transformer LM of fairseq_megatron: "
                                  f"it cannot be split into model parts")
+            # rows unknown above for files saved by PyTorch < 1.6 (not memory-mapped)
+            check_vocabulary_rows(model, state["model"]["decoder.embed_tokens.weight"].size(0) * size, path, size)
             return state
 
         with _checkpoint_read_as(files[0], this_ranks_part):  # fairseq logs the name files[0]

@@ -130,8 +130,8 @@ def check_output_name(output_path: str, outputs: List[str]) -> None:
     (the files of one size) exist under the name ``output_path``: writing
     would leave two sizes under one name, which :func:`find_part_files`
     refuses to choose between."""
-    existing = ([output_path] if os.path.exists(output_path) else []) + [
-        part_path(output_path, r) for r in _part_ranks(output_path)]
+    ranks = _part_ranks(output_path) if output_path.endswith(".pt") else []  # an export may be named freely
+    existing = ([output_path] if os.path.exists(output_path) else []) + [part_path(output_path, r) for r in ranks]
     stale = [f for f in existing if f not in outputs]
     if stale:
         raise CheckpointError(f"{stale[0]} exists under the output name {output_path} and is not one of the "

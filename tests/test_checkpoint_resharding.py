@@ -440,6 +440,7 @@ def test_two_sizes_under_one_name_are_refused(tmp_path):
         reshard(path, other, 2)  # parts 2 and 3 of the size-4 checkpoint would stay
     assert listing() == before
     reshard(path, other.replace("model.pt", "fresh.pt"), 2)  # a clean name is written
+    export_to_fairseq(path, str(tmp_path / "export.bin"))  # an export is one file, named freely
 
     os.link(part_path(path, 0), path)
     with pytest.raises(CheckpointError, match="both exist: checkpoints of two model-parallel sizes under one name"):

@@ -81,7 +81,9 @@ def _part_ranks(path: str) -> List[int]:
 def find_part_files(path: str) -> List[str]:
     """The part files of checkpoint ``path`` (the ``--path`` given to fairseq), in rank order.
 
-    A checkpoint saved at model-parallel size 1 is the file itself.
+    A checkpoint saved at model-parallel size 1 is the file itself (the only
+    kind a name not ending in ``.pt`` can name: fairseq's part names replace
+    the ``.pt``).
 
     Raises:
         FileNotFoundError: neither ``path`` nor any ``<path>-model_part-K.pt`` exists.
@@ -89,7 +91,7 @@ def find_part_files(path: str) -> List[str]:
             files both exist (checkpoints of two sizes under one name: which
             one was meant cannot be told).
     """
-    ranks = _part_ranks(path)
+    ranks = _part_ranks(path) if path.endswith(".pt") else []
     if os.path.exists(path):
         if ranks:
             raise CheckpointError(
@@ -98,7 +100,8 @@ def find_part_files(path: str) -> List[str]:
             )
         return [path]
     if not ranks:
-        raise FileNotFoundError(f"no checkpoint {path} and no model part files {part_path(path, 0)}, ...")
+        parts = f" and no model part files {part_path(path, 0)}, ..." if path.endswith(".pt") else ""
+        raise FileNotFoundError(f"no checkpoint {path}{parts}")
     missing = sorted(set(range(ranks[-1] + 1)) - set(ranks))
     if missing:
         raise CheckpointError(f"model part file {part_path(path, missing[0])} is missing")

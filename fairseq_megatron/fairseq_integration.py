@@ -904,10 +904,15 @@ def _training_from_checkpoints_at_another_size() -> None:
             or PathManager.exists(os.path.join(cfg.save_dir, f"checkpoint_last{trainer.checkpoint_suffix}.pt"))
         ):
             return original_start(cfg, trainer, **passthrough_args)
+        size = parallel_state.get_tensor_model_parallel_world_size()
+        if not path.endswith(".pt"):
+            if size == 1:
+                return original_start(cfg, trainer, **passthrough_args)
+            raise UsageError(f"--finetune-from-model {path}: at model-parallel size {size} the name must end "
+                             f"in .pt (fairseq names each rank's part by replacing it)")
         _refuse_one_part_as("--finetune-from-model", path)
         if not _existing_part_files(path):
-            raise UsageError(f"--finetune-from-model {path}: no such checkpoint, and no model part files "
-                             f"{path[: -len('.pt')]}-model_part-K.pt")
+            raise UsageError(f"--finetune-from-model {path}: no such checkpoint, whole or in model parts")
         logger.info(f"fine-tuning from {path}: optimizer, lr scheduler, meters and data loader start afresh")
         cfg = copy.deepcopy(cfg)
         cfg.finetune_from_model, cfg.restore_file = None, path

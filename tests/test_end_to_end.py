@@ -541,38 +541,42 @@ def test_two_data_parallel_groups_equal_one_with_update_freq_2(trained, model_pa
     assert _per_update(logs[2], "bsz") == [8.0] * 3  # 4 sequences in each of the 2 groups
 
 
-def test_two_data_parallel_groups_fine_tune_and_resume(trained, tmp_path):
-    """World size 4 at model-parallel size 2: 2 updates fine-tuned from a
-    size-1 file (each group's data-parallel rank 0 builds its part in memory
-    and fairseq sends it to the other group), saved, then resumed for 2 more,
-    log the same loss per update as one group with ``--update-freq 2`` (as
-    in the test above) fine-tuned from the parts for 4. Loading any
-    checkpoint with two groups failed in fairseq's broadcast: the source was
-    given as a rank within the data-parallel group where torch takes a
-    global one ("Global rank 0 is not part of group" on model-parallel rank
-    1's group), and torch >= 2.6 unpickled the sent state with
-    ``weights_only=True`` (refused on fairseq's config objects). Dropout is
-    off; tolerance: one unit of the 3 printed decimals (fp32 summation
-    order)."""
+@pytest.mark.parametrize("model_parallel_size", [1, 2])
+def test_two_data_parallel_groups_fine_tune_and_resume(trained, tmp_path, model_parallel_size):
+    """Two data-parallel groups (world size 2 at model-parallel size 1, 4 at
+    size 2): 2 updates fine-tuned from a checkpoint, saved, then resumed for
+    2 more, log the same loss per update as one group with ``--update-freq
+    2`` (as in the test above) fine-tuned for 4. Each group's data-parallel
+    rank 0 reads the checkpoint (at size 2 from one file, its part built in
+    memory) and fairseq sends it to the other group. The reference reads the
+    other layout: the size-2 parts. Loading any checkpoint with two groups
+    failed in fairseq's broadcast: torch >= 2.6 unpickled the sent state
+    with ``weights_only=True`` (refused on fairseq's config objects), and
+    the source was given as a rank within the data-parallel group where
+    torch takes a global one ("Global rank 0 is not part of group" on
+    model-parallel rank 1's group). Dropout is off; tolerance: one unit of
+    the 3 printed decimals (fp32 summation order)."""
     one = tmp_path / "one" / "model.pt"
     reshard(os.path.join(trained["ckpt"], "checkpoint_last.pt"), str(one), 1)
 
-    def train(save_dir, max_update, nproc, *extra):
+    def train(save_dir, max_update, groups, *extra):
         args = train_args(trained["data"], str(tmp_path / save_dir), max_update)
+        args[args.index("--model-parallel-size") + 1] = str(model_parallel_size)
         args += ["--dropout", "0", "--attention-dropout", "0", *extra]
-        log = fairseq("train", args, nproc=nproc)[1]
+        nproc = groups * model_parallel_size
+        log = fairseq("train", args, nproc=nproc if nproc > 1 else None)[1]
         assert f"training on {nproc} devices" in log, log[-3000:]
         return log
 
-    first = train("four", 2, 4, "--finetune-from-model", str(one))
+    first = train("two", 2, 2, "--finetune-from-model", str(one))
     assert "(epoch 1 @ 0 updates)" in first, first[-3000:]
-    resumed = train("four", 4, 4, "--finetune-from-model", str(one))  # checkpoint_last now exists
+    resumed = train("two", 4, 2, "--finetune-from-model", str(one))  # checkpoint_last now exists
     assert "(epoch 1 @ 2 updates)" in resumed, resumed[-3000:]
-    whole = train("two", 4, 2, "--finetune-from-model", os.path.join(trained["ckpt"], "checkpoint_last.pt"),
+    whole = train("one", 4, 1, "--finetune-from-model", os.path.join(trained["ckpt"], "checkpoint_last.pt"),
                   "--update-freq", "2", "--no-save")
-    four, two = _per_update(first, "loss") + _per_update(resumed, "loss"), _per_update(whole, "loss")
-    assert len(four) == len(two) == 4, (four, two)
-    assert all(abs(a - b) <= 1.1e-3 for a, b in zip(four, two)), (four, two)
+    two, one = _per_update(first, "loss") + _per_update(resumed, "loss"), _per_update(whole, "loss")
+    assert len(two) == len(one) == 4, (two, one)
+    assert all(abs(a - b) <= 1.1e-3 for a, b in zip(two, one)), (two, one)
 
 
 def test_eval_lm_over_two_data_parallel_groups(trained, tmp_path):

@@ -123,6 +123,15 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    torch takes a global rank: "Global rank 0 is not part of group" on every
    model-parallel rank but 0, so no run with model and data parallelism
    could resume or fine-tune. (The receiving ranks' unpickling is step 4's.)
+17. :func:`_spawned_processes_install_the_plugin` -- without torchrun
+   (``fairseq-train --distributed-world-size 8`` on one machine, or one task
+   per node under SLURM) fairseq starts one process per GPU with
+   ``torch.multiprocessing.spawn``. Those import fairseq afresh, and the
+   user dir only once ``main`` runs, after ``distributed_init`` has looked
+   for the mpu module of step 1: "Please install the megatron submodule" at
+   any model-parallel size above 1. They now import this package first. On
+   a machine without GPUs fairseq spawned no process at all (one per GPU);
+   there it spawns the world size.
 """
 
 import atexit
@@ -168,6 +177,7 @@ def install() -> None:
     _one_line_errors()
     _training_from_checkpoints_at_another_size()
     _broadcast_from_a_rank_of_the_group()
+    _spawned_processes_install_the_plugin()
     _INSTALLED = True
 
 
@@ -942,6 +952,9 @@ def _one_line_errors() -> None:
     def excepthook(kind, value, traceback):
         if isinstance(value, UsageError) and _running_a_fairseq_tool():
             print(f"error: {value}", file=sys.stderr, flush=True)
+        elif isinstance(value, torch.multiprocessing.ProcessExitedException) and _running_a_fairseq_tool():
+            # a process fairseq spawned printed its error and exited (see _run_spawned)
+            print(f"error: {value}", file=sys.stderr, flush=True)
         else:
             previous(kind, value, traceback)
 
@@ -964,3 +977,52 @@ def _broadcast_from_a_rank_of_the_group() -> None:
         return original(tensor, src, group)
 
     distributed_utils.broadcast = broadcast
+
+
+def _run_spawned(fn, index: int, *args) -> None:
+    """What each process that fairseq spawns runs: ``fn(index, *args)``
+    (fairseq's ``distributed_main``), after this module's import (the
+    process unpickles this function by its module path), which installs the
+    plugin. Our bad-input errors end as one line here too; the parent then
+    reports the exit status."""
+    from fairseq_megatron.errors import UsageError
+
+    try:
+        fn(index, *args)
+    except UsageError as e:
+        if os.environ.get("FAIRSEQ_MEGATRON_TRACEBACK"):
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+class _SpawnWithThePlugin(types.ModuleType):
+    """``torch.multiprocessing`` as ``fairseq.distributed.utils`` sees it."""
+
+    def __init__(self):
+        super().__init__("torch.multiprocessing")
+
+    def __getattr__(self, name):
+        return getattr(torch.multiprocessing, name)
+
+    @staticmethod
+    def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+        if nprocs == 0 and not torch.cuda.is_available():
+            # fairseq asks for min(GPU count, world size) processes; args = (main, cfg, kwargs)
+            nprocs = args[1].distributed_training.distributed_world_size
+        return torch.multiprocessing.spawn(functools.partial(_run_spawned, fn), args, nprocs, join, daemon,
+                                           start_method)
+
+
+class _TorchInDistributedUtils(_TorchWithTrustedLoad):
+    """``torch`` inside ``fairseq.distributed.utils``: trusted loads (step 4)
+    and a ``multiprocessing.spawn`` whose processes install the plugin."""
+
+    multiprocessing = _SpawnWithThePlugin()
+
+
+def _spawned_processes_install_the_plugin() -> None:
+    from fairseq.distributed import utils as distributed_utils
+
+    if not isinstance(distributed_utils.torch, _TorchInDistributedUtils):
+        distributed_utils.torch = _TorchInDistributedUtils()

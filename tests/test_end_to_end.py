@@ -8,6 +8,7 @@ user meets with bad launches or incomplete checkpoints.
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -420,6 +421,38 @@ def test_hub_interface_in_a_world_of_2(trained, tmp_path, model_parallel_size):
     rank1 = (out_dir / "rank1.txt").read_text().splitlines()
     assert len(rank0) == 3 and rank0 == rank1  # greedy, beam and sampled text identical on both ranks
     assert all(l.startswith("size=2 ") and l.split(": ", 1)[1].startswith("return the") for l in rank0)
+
+
+def test_fairseq_train_spawning_its_processes(trained, tmp_path):
+    """Without torchrun fairseq starts the processes itself
+    (``torch.multiprocessing.spawn``), as ``fairseq-train
+    --distributed-world-size 8`` does on a GPU machine, and under SLURM. Those
+    processes imported fairseq afresh and looked for the mpu module before
+    fairseq imported the user dir: "Please install the megatron submodule"
+    (and on CPU fairseq spawned no process: one per GPU). Spawned at world
+    size 2, the run logs the same losses as the fixture's torchrun run (same
+    seed, data and per-rank dropout streams: the same computation, so the
+    same printed values). A bad input in the spawned processes is one line
+    each, and the launching process reports their exit."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = ["--distributed-world-size", "2", "--distributed-init-method", f"tcp://127.0.0.1:{port}",
+              "--distributed-backend", "gloo"]
+    _, log = fairseq("train", train_args(trained["data"], str(tmp_path / "spawned"), max_update=4) + launch)
+    assert "training on 2 devices" in log and "torch.distributed.run" not in log, log[-3000:]
+    expected = _per_update(trained["first_log"], "loss")
+    assert len(expected) == 4 and _per_update(log, "loss") == expected, (_per_update(log, "loss"), expected)
+    assert sorted(os.listdir(tmp_path / "spawned")) == ["checkpoint_last-model_part-0.pt",
+                                                        "checkpoint_last-model_part-1.pt"]
+
+    part = os.path.join(trained["ckpt"], "checkpoint_last-model_part-0.pt")
+    args = train_args(trained["data"], str(tmp_path / "refused"), max_update=4) + launch
+    rc, log = fairseq("train", args + ["--finetune-from-model", part], check=False)
+    line = (f"error: --finetune-from-model {part} is one of 2 model part files: pass the checkpoint's name, "
+            f"--finetune-from-model {os.path.join(trained['ckpt'], 'checkpoint_last.pt')}")
+    assert rc == 1 and line in log and "Traceback" not in log, log[-3000:]
+    assert log.rstrip().splitlines()[-1].startswith("error: process "), log[-3000:]
 
 
 def test_missing_part_file_is_reported(trained):

@@ -432,22 +432,31 @@ def test_fairseq_train_spawning_its_processes(trained, tmp_path):
     (and on CPU fairseq spawned no process: one per GPU). Spawned at world
     size 2, the run logs the same losses as the fixture's torchrun run (same
     seed, data and per-rank dropout streams: the same computation, so the
-    same printed values). A bad input in the spawned processes is one line
+    same printed values), and fairseq-eval-lm prints the loss torchrun's
+    processes print. A bad input in the spawned processes is one line
     each, and the launching process reports their exit."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launch = ["--distributed-world-size", "2", "--distributed-init-method", f"tcp://127.0.0.1:{port}",
-              "--distributed-backend", "gloo"]
-    _, log = fairseq("train", train_args(trained["data"], str(tmp_path / "spawned"), max_update=4) + launch)
+    def launch():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        return ["--distributed-world-size", "2", "--distributed-init-method", f"tcp://127.0.0.1:{port}",
+                "--distributed-backend", "gloo"]
+
+    _, log = fairseq("train", train_args(trained["data"], str(tmp_path / "spawned"), max_update=4) + launch())
     assert "training on 2 devices" in log and "torch.distributed.run" not in log, log[-3000:]
     expected = _per_update(trained["first_log"], "loss")
     assert len(expected) == 4 and _per_update(log, "loss") == expected, (_per_update(log, "loss"), expected)
     assert sorted(os.listdir(tmp_path / "spawned")) == ["checkpoint_last-model_part-0.pt",
                                                         "checkpoint_last-model_part-1.pt"]
+    # fairseq-eval-lm (the README's command for the published model spawns 8)
+    path = str(tmp_path / "spawned" / "checkpoint_last.pt")
+    _, spawned = fairseq("eval_lm", eval_args(trained["data"], path, 2) + launch())
+    _, torchrun = fairseq("eval_lm", eval_args(trained["data"], path, 2), nproc=2)
+    assert spawned.count("Loss (base 2)") == 1, spawned[-3000:]
+    assert (evaluated_tokens(spawned), eval_loss(spawned)) == (evaluated_tokens(torchrun), eval_loss(torchrun))
 
     part = os.path.join(trained["ckpt"], "checkpoint_last-model_part-0.pt")
-    args = train_args(trained["data"], str(tmp_path / "refused"), max_update=4) + launch
+    args = train_args(trained["data"], str(tmp_path / "refused"), max_update=4) + launch()
     rc, log = fairseq("train", args + ["--finetune-from-model", part], check=False)
     line = (f"error: --finetune-from-model {part} is one of 2 model part files: pass the checkpoint's name, "
             f"--finetune-from-model {os.path.join(trained['ckpt'], 'checkpoint_last.pt')}")

@@ -106,8 +106,9 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    resuming in a save dir whose checkpoint has another size silently started
    from scratch; it now stops and says how to reshard (with the optimizer
    state: ``fairseq-megatron-reshard --keep-optimizer``). With
-   ``--reset-optimizer`` the weights are resharded in memory instead.
-   ``--finetune-from-model CKPT.pt`` looked for the file CKPT.pt alone, so a
+   ``--reset-optimizer`` the weights are resharded in memory instead, unless
+   the run would save its checkpoints beside them in the same save dir (one
+   name would then hold two sizes). ``--finetune-from-model CKPT.pt`` looked for the file CKPT.pt alone, so a
    checkpoint in parts "does not exist", one file went whole into every
    rank, and a part's name (``CKPT-model_part-0.pt``) trained every rank on
    part 0's weights without a word; it now loads each rank's part, or builds

@@ -423,7 +423,7 @@ def test_hub_interface_in_a_world_of_2(trained, tmp_path, model_parallel_size):
     assert all(l.startswith("size=2 ") and l.split(": ", 1)[1].startswith("return the") for l in rank0)
 
 
-def test_fairseq_train_spawning_its_processes(trained, tmp_path):
+def test_fairseq_spawning_its_processes(trained, tmp_path):
     """Without torchrun fairseq starts the processes itself
     (``torch.multiprocessing.spawn``), as ``fairseq-train
     --distributed-world-size 8`` does on a GPU machine, and under SLURM. Those
@@ -432,9 +432,10 @@ def test_fairseq_train_spawning_its_processes(trained, tmp_path):
     (and on CPU fairseq spawned no process: one per GPU). Spawned at world
     size 2, the run logs the same losses as the fixture's torchrun run (same
     seed, data and per-rank dropout streams: the same computation, so the
-    same printed values), and fairseq-eval-lm prints the loss torchrun's
-    processes print. A bad input in the spawned processes is one line
-    each, and the launching process reports their exit."""
+    same printed values); fairseq-eval-lm prints the loss, and
+    fairseq-generate the hypotheses, that torchrun's processes print. A bad
+    input in the spawned processes is one line each, and the launching
+    process reports their exit."""
     def launch():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -454,6 +455,13 @@ def test_fairseq_train_spawning_its_processes(trained, tmp_path):
     _, torchrun = fairseq("eval_lm", eval_args(trained["data"], path, 2), nproc=2)
     assert spawned.count("Loss (base 2)") == 1, spawned[-3000:]
     assert (evaluated_tokens(spawned), eval_loss(spawned)) == (evaluated_tokens(torchrun), eval_loss(torchrun))
+    # fairseq-generate: greedy, the same hypotheses as under torchrun, each printed once
+    generate = [trained["data"], "--user-dir", USER_DIR, "--cpu", "--task", "language_modeling", "--path", path,
+                "--gen-subset", "test", "--sample-break-mode", "none", "--tokens-per-sample", "32",
+                "--prefix-size", "2", "--max-len-b", "12", "--batch-size", "8", "--beam", "1",
+                "--model-parallel-size", "2"]
+    spawned = hypotheses(fairseq("generate", generate + launch())[1])
+    assert len(spawned) >= 10 and spawned == hypotheses(fairseq("generate", generate, nproc=2)[1])
 
     part = os.path.join(trained["ckpt"], "checkpoint_last-model_part-0.pt")
     args = train_args(trained["data"], str(tmp_path / "refused"), max_update=4) + launch()

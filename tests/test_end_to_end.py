@@ -533,6 +533,12 @@ def test_world_size_not_divisible_by_model_parallel_size(trained):
     rc, out = fairseq("train", args, nproc=3, check=False)
     assert rc != 0
     assert "[rank0]: error: world size 3 is not divisible by --model-parallel-size 2" in out, out[-3000:]
+    # one process, no launcher (the commonest slip): it said the model's size differed from the group's
+    rc, out = fairseq("train", args, check=False)
+    assert rc == 1 and out.rstrip().splitlines()[-1] == (
+        "error: --model-parallel-size 2 needs 2 processes, one per model part, and this run is one process: "
+        "launch it with torchrun --nproc_per_node 2 (or give fairseq --distributed-world-size 2 on a machine "
+        "with 2 GPUs)"), out[-3000:]
 
 
 def _per_update(log, key):

@@ -1,5 +1,7 @@
 """Clear errors for impossible configurations and bad checkpoints."""
 
+import re
+
 import pytest
 import torch
 
@@ -51,8 +53,9 @@ def test_world_size_must_divide(tmp_path):
 
 
 def test_model_parallel_size_without_distributed_init():
-    with pytest.raises(UsageError,
-                       match="configured for model-parallel size 2 but this run's model-parallel group has 1"):
+    with pytest.raises(UsageError, match=re.escape(
+            "--model-parallel-size 2 needs 2 processes, one per model part, and this run is one process: "
+            "launch it with torchrun --nproc_per_node 2")):
         build_model(2)
 
 

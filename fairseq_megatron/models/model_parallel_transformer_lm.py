@@ -140,6 +140,13 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         base_lm_architecture(args)
         group_size = parallel_state.get_tensor_model_parallel_world_size()
         wanted = int(safe_getattr(args, "model_parallel_size", 1) or 1)
+        one_process = not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1)
+        if wanted > group_size == 1 and one_process:
+            raise UsageError(
+                f"--model-parallel-size {wanted} needs {wanted} processes, one per model part, and this run is "
+                f"one process: launch it with torchrun --nproc_per_node {wanted} (or give fairseq "
+                f"--distributed-world-size {wanted} on a machine with {wanted} GPUs)"
+            )
         if wanted != group_size:
             raise UsageError(
                 f"the model is configured for model-parallel size {wanted} but this run's "

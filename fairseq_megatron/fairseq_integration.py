@@ -345,9 +345,8 @@ def _shard_by_data_parallel_rank() -> None:
     from fairseq_megatron import eval_lm
 
     LanguageModelingTask.eval_lm_dataloader = eval_lm.eval_lm_dataloader
-    for module in _cli_modules("fairseq_cli.eval_lm"):
-        module.SequenceScorer = eval_lm.TallyingSequenceScorer
-        module.eval_lm = eval_lm.eval_lm_over_data_parallel_groups(module.eval_lm)
+    _replace_in_cli_module("fairseq_cli.eval_lm", "SequenceScorer", lambda _: eval_lm.TallyingSequenceScorer)
+    _replace_in_cli_module("fairseq_cli.eval_lm", "eval_lm", eval_lm.eval_lm_over_data_parallel_groups)
 
     def wrap(cls, name):
         original = getattr(cls, name)
@@ -375,6 +374,25 @@ def _cli_modules(module_name: str) -> list:
     if spec is not None and spec.name == module_name and hasattr(main_module, "main"):
         modules.append(main_module)
     return modules
+
+
+def _replace_in_cli_module(module_name: str, name: str, replace) -> None:
+    """Set global ``name`` of fairseq_cli module ``module_name`` to
+    ``replace(current value)`` wherever that module's code looks it up: in
+    each module object of :func:`_cli_modules` and in the globals its
+    ``main`` runs with. Those differ in a process that multiprocessing
+    spawned from ``python -m fairseq_cli.X`` (fairseq's own launcher): it
+    re-runs the main module with runpy and copies the result into
+    ``__mp_main__``, so the functions keep runpy's dictionary."""
+    import inspect
+
+    namespaces = []
+    for module in _cli_modules(module_name):
+        for namespace in (vars(module), inspect.unwrap(module.main).__globals__):
+            if not any(namespace is seen for seen in namespaces):
+                namespaces.append(namespace)
+    for namespace in namespaces:
+        namespace[name] = replace(namespace[name])
 
 
 def _patch_cli_main(module_name: str, wrap) -> None:
@@ -433,8 +451,7 @@ def _model_parallel_generate() -> None:
 
     _patch_cli_main("fairseq_cli.generate", wrap_generate)
     _patch_cli_main("fairseq_cli.interactive", wrap_interactive)
-    for module in _cli_modules("fairseq_cli.interactive"):
-        module.buffered_read = _read_on_rank_0(module.buffered_read)
+    _replace_in_cli_module("fairseq_cli.interactive", "buffered_read", _read_on_rank_0)
 
 
 def _read_on_rank_0(buffered_read):
@@ -445,11 +462,19 @@ def _read_on_rank_0(buffered_read):
     broadcasts go over a gloo group of their own with a week's timeout: rank
     0 may wait for a person to type, and the default group would time out."""
     import datetime
+    import multiprocessing
 
     import torch.distributed as dist
 
+    from fairseq_megatron.errors import UsageError
+
     @functools.wraps(buffered_read)
     def read(input, buffer_size):
+        if input == "-" and multiprocessing.parent_process() is not None:
+            # multiprocessing gives the processes it starts /dev/null as standard input
+            raise UsageError("fairseq-interactive's processes were spawned by fairseq (no torchrun) and cannot "
+                             "read standard input, which they would take as empty: pass --input FILE, or "
+                             "launch them with torchrun")
         if not dist.is_initialized() or dist.get_world_size() == 1:
             yield from buffered_read(input, buffer_size)
             return

@@ -432,15 +432,18 @@ def test_fairseq_spawning_its_processes(trained, tmp_path):
     (and on CPU fairseq spawned no process: one per GPU). Spawned at world
     size 2, the run logs the same losses as the fixture's torchrun run (same
     seed, data and per-rank dropout streams: the same computation, so the
-    same printed values); fairseq-eval-lm prints the loss, and
-    fairseq-generate the hypotheses, that torchrun's processes print. A bad
+    same printed values); fairseq-eval-lm (with two data-parallel groups)
+    prints the loss, and fairseq-generate the hypotheses, that torchrun's
+    processes print;
+    fairseq-interactive answers prompts from ``--input`` and refuses
+    standard input, which spawned processes cannot read. A bad
     input in the spawned processes is one line each, and the launching
     process reports their exit."""
-    def launch():
+    def launch(world_size=2):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        return ["--distributed-world-size", "2", "--distributed-init-method", f"tcp://127.0.0.1:{port}",
+        return ["--distributed-world-size", str(world_size), "--distributed-init-method", f"tcp://127.0.0.1:{port}",
                 "--distributed-backend", "gloo"]
 
     _, log = fairseq("train", train_args(trained["data"], str(tmp_path / "spawned"), max_update=4) + launch())
@@ -449,12 +452,15 @@ def test_fairseq_spawning_its_processes(trained, tmp_path):
     assert len(expected) == 4 and _per_update(log, "loss") == expected, (_per_update(log, "loss"), expected)
     assert sorted(os.listdir(tmp_path / "spawned")) == ["checkpoint_last-model_part-0.pt",
                                                         "checkpoint_last-model_part-1.pt"]
-    # fairseq-eval-lm (the README's command for the published model spawns 8)
+    # fairseq-eval-lm (the README's command for the published model spawns 8), here with two
+    # data-parallel groups: the plugin's tally over the groups must reach the spawned processes too
     path = str(tmp_path / "spawned" / "checkpoint_last.pt")
-    _, spawned = fairseq("eval_lm", eval_args(trained["data"], path, 2) + launch())
+    _, spawned = fairseq("eval_lm", eval_args(trained["data"], path, 2) + launch(world_size=4))
     _, torchrun = fairseq("eval_lm", eval_args(trained["data"], path, 2), nproc=2)
     assert spawned.count("Loss (base 2)") == 1, spawned[-3000:]
-    assert (evaluated_tokens(spawned), eval_loss(spawned)) == (evaluated_tokens(torchrun), eval_loss(torchrun))
+    assert f"2 data-parallel groups scored {evaluated_tokens(torchrun):,} tokens together" in spawned, spawned[-3000:]
+    # 4 printed decimals; fp32 sums in another order across the groups
+    assert abs(eval_loss(spawned) - eval_loss(torchrun)) <= 2e-4, (eval_loss(spawned), eval_loss(torchrun))
     # fairseq-generate: greedy, the same hypotheses as under torchrun, each printed once
     generate = [trained["data"], "--user-dir", USER_DIR, "--cpu", "--task", "language_modeling", "--path", path,
                 "--gen-subset", "test", "--sample-break-mode", "none", "--tokens-per-sample", "32",
@@ -462,6 +468,16 @@ def test_fairseq_spawning_its_processes(trained, tmp_path):
                 "--model-parallel-size", "2"]
     spawned = hypotheses(fairseq("generate", generate + launch())[1])
     assert len(spawned) >= 10 and spawned == hypotheses(fairseq("generate", generate, nproc=2)[1])
+    # fairseq-interactive: spawned processes get /dev/null as standard input (it answered nothing, exit 0)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("return the value\n")
+    interactive = [trained["data"], "--user-dir", USER_DIR, "--cpu", "--task", "language_modeling", "--path", path,
+                   "--tokens-per-sample", "32", "--max-len-b", "8", "--beam", "1", "--model-parallel-size", "2"]
+    rc, log = fairseq("interactive", interactive + launch(), stdin="return the\n", check=False)
+    assert rc == 1 and ("error: fairseq-interactive's processes were spawned by fairseq (no torchrun) and cannot "
+                        "read standard input") in log, log[-3000:]
+    _, log = fairseq("interactive", interactive + launch() + ["--input", str(prompts)])
+    assert [line.split("\t")[0] for line in log.splitlines() if line.startswith("H-")] == ["H-0"], log[-3000:]
 
     part = os.path.join(trained["ckpt"], "checkpoint_last-model_part-0.pt")
     args = train_args(trained["data"], str(tmp_path / "refused"), max_update=4) + launch()

@@ -489,9 +489,10 @@ def _metadata_for_size(metadata: dict) -> dict:
     return state
 
 
-def _prepare(input_path: str, output_path: str, outputs: List[str], with_optimizer: bool = False) -> PartFiles:
+def _prepare(input_path: str, output_path: str, outputs: List[str], with_optimizer: bool = False,
+             parts: Optional[PartFiles] = None) -> PartFiles:
     check_output_name(output_path, outputs)
-    parts = PartFiles(input_path, with_optimizer)
+    parts = parts or PartFiles(input_path, with_optimizer)
     inputs = {os.path.realpath(f) for f in parts.files}
     for o in outputs:
         if os.path.realpath(o) in inputs:
@@ -534,7 +535,8 @@ def resharded_model(input_path: str, rank: int, size: int) -> Tuple[Dict[str, to
 
 
 def reshard(input_path: str, output_path: str, new_size: int, verify: bool = True,
-            progress: Optional[Callable[[str], None]] = None, with_optimizer: bool = False) -> List[str]:
+            progress: Optional[Callable[[str], None]] = None, with_optimizer: bool = False,
+            parts: Optional[PartFiles] = None) -> List[str]:
     """Rewrite checkpoint ``input_path`` (any model-parallel size) for size ``new_size``.
 
     The model weights, and with ``with_optimizer`` the optimizer state
@@ -546,7 +548,8 @@ def reshard(input_path: str, output_path: str, new_size: int, verify: bool = Tru
     the new size has exactly the same vocabulary rows. Returns the paths
     written: ``output_path`` for size 1, else its ``-model_part-K`` names.
     Memory: one output part (with the optimizer: its weights and moments)
-    plus one memory-mapped layer of the input.
+    plus one memory-mapped layer of the input. ``parts``: the input already
+    opened, as ``PartFiles(input_path, with_optimizer)`` (not read again).
 
     Raises:
         FileNotFoundError / CheckpointError: bad input (see :class:`PartFiles`),
@@ -557,7 +560,7 @@ def reshard(input_path: str, output_path: str, new_size: int, verify: bool = Tru
             that cannot be split (see :func:`optimizer_state_per_parameter`).
     """
     outputs = output_paths(output_path, new_size)
-    parts = _prepare(input_path, output_path, outputs, with_optimizer)
+    parts = _prepare(input_path, output_path, outputs, with_optimizer, parts)
     check_divisible(model_config(parts.metadata), parts.padded_vocab_size, new_size)
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
     for rank, out in enumerate(outputs):

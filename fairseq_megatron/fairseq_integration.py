@@ -968,20 +968,25 @@ def _running_a_fairseq_tool() -> bool:
     return os.path.basename(sys.argv[0] if sys.argv else "").startswith("fairseq-")
 
 
-def _one_line_errors() -> None:
+def _printed_as_one_line(error: BaseException) -> bool:
+    """Print ``error: <message>`` for ``error`` if it is one of ours to
+    shorten: a UsageError (or a spawned process's exit after printing one,
+    see :func:`_run_spawned`) in one of fairseq's tools, unless
+    ``FAIRSEQ_MEGATRON_TRACEBACK`` is set. Returns whether it printed."""
     from fairseq_megatron.errors import UsageError
 
-    if os.environ.get("FAIRSEQ_MEGATRON_TRACEBACK"):
-        return
+    ours = isinstance(error, (UsageError, torch.multiprocessing.ProcessExitedException))
+    if not ours or os.environ.get("FAIRSEQ_MEGATRON_TRACEBACK") or not _running_a_fairseq_tool():
+        return False
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    return True
+
+
+def _one_line_errors() -> None:
     previous = sys.excepthook
 
     def excepthook(kind, value, traceback):
-        if isinstance(value, UsageError) and _running_a_fairseq_tool():
-            print(f"error: {value}", file=sys.stderr, flush=True)
-        elif isinstance(value, torch.multiprocessing.ProcessExitedException) and _running_a_fairseq_tool():
-            # a process fairseq spawned printed its error and exited (see _run_spawned)
-            print(f"error: {value}", file=sys.stderr, flush=True)
-        else:
+        if not _printed_as_one_line(value):
             previous(kind, value, traceback)
 
     sys.excepthook = excepthook
@@ -1009,17 +1014,15 @@ def _run_spawned(fn, index: int, *args) -> None:
     """What each process that fairseq spawns runs: ``fn(index, *args)``
     (fairseq's ``distributed_main``), after this module's import (the
     process unpickles this function by its module path), which installs the
-    plugin. Our bad-input errors end as one line here too; the parent then
+    plugin. Our bad-input errors end as one line here too (torch's spawn
+    catches them before the excepthook of step 14 would); the parent then
     reports the exit status."""
-    from fairseq_megatron.errors import UsageError
-
     try:
         fn(index, *args)
-    except UsageError as e:
-        if os.environ.get("FAIRSEQ_MEGATRON_TRACEBACK"):
-            raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
+    except Exception as e:
+        if _printed_as_one_line(e):
+            sys.exit(1)
+        raise
 
 
 class _SpawnWithThePlugin(types.ModuleType):

@@ -54,13 +54,11 @@ def main(argv=None) -> int:
             return 0
         if args.model_parallel_size is None or args.model_parallel_size < 1:
             raise UsageError("--model-parallel-size N (N >= 1) is required unless --to-fairseq")
-        parts = PartFiles(args.input)
+        parts = PartFiles(args.input, args.keep_optimizer)  # read once, for the count and the resharding
         steps = len(layer_groups(parts.keys)) * args.model_parallel_size * (2 if args.keep_optimizer else 1)
-        padded_vocab_size = parts.padded_vocab_size
-        del parts
         with tqdm(total=steps, desc="resharding", unit="layer", disable=None) as bar:
             written = reshard(args.input, args.output, args.model_parallel_size, verify=args.verify,
-                              progress=lambda _: bar.update(), with_optimizer=args.keep_optimizer)
+                              progress=lambda _: bar.update(), with_optimizer=args.keep_optimizer, parts=parts)
     except (UsageError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -68,7 +66,7 @@ def main(argv=None) -> int:
         print(path)
     if args.keep_optimizer:  # fairseq-train pads the dictionary for the new size unless told
         print(f"train on with: fairseq-train ... --model-parallel-size {args.model_parallel_size} "
-              f"--restore-file {args.output} --padded-vocab-size {padded_vocab_size}", file=sys.stderr)
+              f"--restore-file {args.output} --padded-vocab-size {parts.padded_vocab_size}", file=sys.stderr)
     return 0
 
 

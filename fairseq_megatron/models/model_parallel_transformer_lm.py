@@ -85,7 +85,8 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
 
     Raises (from ``build_model``):
         UsageError (a ValueError): heads, FFN size or embedding size not divisible by the
-            model-parallel size; the checkpoint's ``model_parallel_size``
+            model-parallel size; ``--model-parallel-size`` above 1 in a single
+            process (no launcher); the checkpoint's ``model_parallel_size``
             differs from the running group size; ``--bf16-autocast`` with
             ``--fp16``, ``--memory-efficient-fp16`` or ``--amp``.
         NotImplementedError: adaptive input/softmax or character embeddings.

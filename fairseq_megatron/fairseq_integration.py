@@ -23,7 +23,10 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    by ``torch.cuda.device_count()`` (ZeroDivisionError), ignores torchrun's
    WORLD_SIZE unless ``--distributed-world-size`` repeats it, defaults to
    the NCCL backend, and (data parallelism at model-parallel size 1) hands a
-   GPU device id to torch's DistributedDataParallel.
+   GPU device id to torch's DistributedDataParallel. Under SLURM without
+   GPUs, one task per process failed in ``torch.cuda.set_device``, and one
+   task per node spawned no process and exited 0 with nothing trained; each
+   node now spawns its share of ``--distributed-world-size``.
 4. :func:`_trusted_checkpoint_loading` -- torch >= 2.6 loads with
    ``weights_only=True``; fairseq checkpoints hold argparse/omegaconf objects.
    fairseq's checkpoint loader again loads full pickles, and so does its
@@ -155,6 +158,9 @@ logger = logging.getLogger(__name__)
 
 _INSTALLED = False
 _TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+# Processes that fairseq's spawn starts on a machine without GPUs under SLURM
+# with one task per node (step 3); None: all of the world size (step 17).
+_cpu_processes_per_node: Optional[int] = None
 
 
 def install() -> None:
@@ -257,7 +263,37 @@ def _launch_on_cpu() -> None:
             cfg.distributed_backend = "gloo"  # NCCL needs GPUs
         return original_infer_init_method(cfg, force_distributed)
 
+    original_infer_slurm_init = dist_utils._infer_slurm_init
+
+    @functools.wraps(original_infer_slurm_init)
+    def infer_slurm_init(cfg, num_pipelines_per_node):
+        """fairseq's SLURM branch, where a GPU count would come in. One
+        task per process: the task's device id stays 0 (fairseq called
+        ``cuda.set_device(SLURM_LOCALID)``). One task per node: each node
+        spawns world size / nodes processes, ranks from node id x that
+        (fairseq counted the node's GPUs, none: world size 0, nothing
+        spawned, exit status 0 with nothing trained)."""
+        if torch.cuda.device_count() > 0:
+            return original_infer_slurm_init(cfg, num_pipelines_per_node)
+        world_size = cfg.distributed_world_size
+        if not original_infer_slurm_init(cfg, num_pipelines_per_node):
+            return False
+        cfg.device_id = 0
+        if not cfg.distributed_no_spawn:  # fairseq's one-task-per-node branch
+            global _cpu_processes_per_node
+            nodes = int(os.environ["SLURM_NNODES"])
+            if world_size % nodes:
+                from fairseq_megatron.errors import UsageError
+
+                raise UsageError(f"--distributed-world-size {world_size} is not divisible by the "
+                                 f"{nodes} SLURM nodes (one task per node spawns the same number on each)")
+            _cpu_processes_per_node = world_size // nodes
+            cfg.distributed_world_size = world_size
+            cfg.distributed_rank = int(os.environ["SLURM_NODEID"]) * _cpu_processes_per_node
+        return True
+
     dist_utils._infer_torch_distributed_launch_init = infer_torch_distributed_launch_init
+    dist_utils._infer_slurm_init = infer_slurm_init
     dist_utils.infer_init_method = infer_init_method
 
     import fairseq.models
@@ -1038,7 +1074,7 @@ class _SpawnWithThePlugin(types.ModuleType):
     def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
         if nprocs == 0 and not torch.cuda.is_available():
             # fairseq asks for min(GPU count, world size) processes; args = (main, cfg, kwargs)
-            nprocs = args[1].distributed_training.distributed_world_size
+            nprocs = _cpu_processes_per_node or args[1].distributed_training.distributed_world_size
         return torch.multiprocessing.spawn(functools.partial(_run_spawned, fn), args, nprocs, join, daemon,
                                            start_method)
 

@@ -8,9 +8,11 @@ user meets with bad launches or incomplete checkpoints.
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -490,6 +492,72 @@ def test_fairseq_spawning_its_processes(trained, tmp_path):
             f"--finetune-from-model {os.path.join(trained['ckpt'], 'checkpoint_last.pt')}")
     assert rc == 1 and line in log and "Traceback" not in log, log[-3000:]
     assert log.rstrip().splitlines()[-1].startswith("error: process "), log[-3000:]
+
+
+def _under_slurm(tmp_path, args, nodes, tasks_per_node):
+    """Run ``fairseq-train args`` as SLURM would start it on ``nodes`` x
+    ``tasks_per_node`` tasks, all on this machine: SLURM's variables per
+    task, and an ``scontrol`` that names this machine as the first node.
+    Returns each task's (rc, output), in SLURM_PROCID order."""
+    bin_dir = tmp_path / "slurm-bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")  # fairseq runs: scontrol show hostnames
+    (bin_dir / "scontrol").chmod(0o755)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tasks, logs = [], []
+    for node in range(nodes):
+        for local in range(tasks_per_node):
+            env = dict(ENV, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_NODELIST=f"node[1-{nodes}]",
+                       SLURM_NNODES=str(nodes), SLURM_NTASKS_PER_NODE=str(tasks_per_node), SLURM_NODEID=str(node),
+                       SLURM_PROCID=str(node * tasks_per_node + local), SLURM_LOCALID=str(local))
+            logs.append(tmp_path / f"slurm-task-{len(logs)}.log")
+            with open(logs[-1], "w") as log:
+                tasks.append(subprocess.Popen([sys.executable, "-m", "fairseq_cli.train", *args, "--distributed-port",
+                                               str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+    deadline = time.monotonic() + 300
+    while None in (codes := [task.poll() for task in tasks]):
+        if time.monotonic() > deadline or any(codes):
+            for task in tasks:  # as srun does: one task failed, the others would wait for it
+                if task.poll() is None:
+                    os.killpg(task.pid, signal.SIGKILL)  # with the processes it spawned
+        time.sleep(0.1)
+    return [(task.returncode, log.read_text()) for task, log in zip(tasks, logs)]
+
+
+def test_fairseq_train_under_slurm(trained, tmp_path):
+    """fairseq reads SLURM's variables itself (``srun fairseq-train ...
+    --distributed-port P``, no torchrun). One task per process, 2 on one
+    node: the same losses as the fixture's torchrun run (the same
+    computation); on a machine without GPUs fairseq set the task's device
+    to SLURM_LOCALID and task 1 failed in ``torch.cuda.set_device``. One task
+    per node, as the README's recipe runs: 2 nodes spawning 2 processes each
+    (world size 4, two data-parallel groups at model-parallel size 2), the
+    same losses as torchrun with 4 processes; on CPU fairseq counted each
+    node's GPUs, none, so it spawned nothing and exited 0 with nothing
+    trained. A world size that the nodes do not divide is one error line."""
+    args = train_args(trained["data"], str(tmp_path / "per-process"), max_update=4) + ["--distributed-world-size", "2"]
+    (rc0, log), (rc1, other) = _under_slurm(tmp_path, args, nodes=1, tasks_per_node=2)
+    assert rc0 == rc1 == 0 and "training on 2 devices" in log, (log + other)[-3000:]
+    expected = _per_update(trained["first_log"], "loss")
+    assert len(expected) == 4 and _per_update(log, "loss") == expected, (_per_update(log, "loss"), expected)
+
+    args = train_args(trained["data"], str(tmp_path / "per-node"), max_update=4)
+    [(rc0, log), (rc1, other)] = _under_slurm(tmp_path, args + ["--distributed-world-size", "4"], 2, 1)
+    assert rc0 == rc1 == 0 and "training on 4 devices" in log, (log + other)[-3000:]
+    _, torchrun = fairseq("train", train_args(trained["data"], str(tmp_path / "torchrun"), max_update=4), nproc=4)
+    expected = _per_update(torchrun, "loss")
+    assert len(expected) == 4 and _per_update(log, "loss") == expected, (_per_update(log, "loss"), expected)
+    assert sorted(os.listdir(tmp_path / "per-node")) == ["checkpoint_last-model_part-0.pt",
+                                                         "checkpoint_last-model_part-1.pt"]
+
+    line = ("error: --distributed-world-size 3 is not divisible by the 2 SLURM nodes (one task per node spawns "
+            "the same number on each)")
+    ended = _under_slurm(tmp_path, args + ["--distributed-world-size", "3"], 2, 1)  # the first to fail stops both
+    assert all(rc for rc, _ in ended) and any(rc == 1 and log.rstrip().splitlines()[-1] == line
+                                              for rc, log in ended), ended
 
 
 def test_missing_part_file_is_reported(trained):

@@ -136,6 +136,15 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    any model-parallel size above 1. They now import this package first. On
    a machine without GPUs fairseq spawned no process at all (one per GPU);
    there it spawns the world size.
+18. :func:`_fairseq_validate_across_ranks` -- ``fairseq-validate`` under a
+   distributed launch printed its configuration and result once per rank
+   (it resets the logging that ``distributed_init`` had quieted on every
+   rank but 0); now rank 0 prints. With two or more data-parallel groups on
+   a machine without GPUs it failed gathering their results: fairseq's
+   ``all_gather_list`` allocates a CUDA buffer. There it now gathers with
+   torch's ``all_gather_object``. With a number of batches that the groups
+   do not divide it failed on any machine (``KeyError: 'net_input'``): the
+   empty batch that fairseq pads a short shard with now scores nothing.
 """
 
 import atexit
@@ -185,6 +194,7 @@ def install() -> None:
     _training_from_checkpoints_at_another_size()
     _broadcast_from_a_rank_of_the_group()
     _spawned_processes_install_the_plugin()
+    _fairseq_validate_across_ranks()
     _INSTALLED = True
 
 
@@ -1091,3 +1101,76 @@ def _spawned_processes_install_the_plugin() -> None:
 
     if not isinstance(distributed_utils.torch, _TorchInDistributedUtils):
         distributed_utils.torch = _TorchInDistributedUtils()
+
+
+def _scoring_empty_batches_as_nothing(task):
+    """``task``, whose ``valid_step`` scores an empty batch (``{}``, which
+    fairseq's iterator pads a short data shard with) as nothing; it looked up
+    ``sample["net_input"]``. Only the short shard's ranks see one; every rank
+    of a model-parallel group reads the same shard, so all of them skip it
+    and no collective is left waiting."""
+    valid_step = task.valid_step
+
+    @functools.wraps(valid_step)
+    def valid_step_or_nothing(sample, model, criterion):
+        if not sample:
+            return 0, 0, {}  # (loss, sample size, logging output)
+        return valid_step(sample, model, criterion)
+
+    task.valid_step = valid_step_or_nothing
+    return task
+
+
+class _CheckpointUtilsInValidate(types.ModuleType):
+    """``fairseq.checkpoint_utils`` as ``fairseq_cli/validate.py`` sees it:
+    the task it loads with the model scores empty batches as nothing."""
+
+    def __init__(self):
+        super().__init__("fairseq.checkpoint_utils")
+
+    def __getattr__(self, name):
+        from fairseq import checkpoint_utils
+
+        return getattr(checkpoint_utils, name)
+
+    @staticmethod
+    def load_model_ensemble_and_task(*args, **kwargs):
+        from fairseq import checkpoint_utils
+
+        models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(*args, **kwargs)
+        return models, cfg, _scoring_empty_batches_as_nothing(task)
+
+
+def _fairseq_validate_across_ranks() -> None:
+    import torch.distributed as dist
+    from fairseq.distributed import utils as distributed_utils
+
+    def quiet_on_other_ranks(reset_logging):
+        @functools.wraps(reset_logging)
+        def reset_logging_on_rank_0():
+            """fairseq's reset, then ``distributed_init``'s rule: INFO on rank 0 only."""
+            reset_logging()
+            if dist.is_initialized() and dist.get_rank() != 0:
+                logging.getLogger().setLevel(logging.WARNING)
+
+        return reset_logging_on_rank_0
+
+    _replace_in_cli_module("fairseq_cli.validate", "reset_logging", quiet_on_other_ranks)
+    _replace_in_cli_module("fairseq_cli.validate", "checkpoint_utils", lambda _: _CheckpointUtilsInValidate())
+
+    original = distributed_utils.all_gather_list
+
+    @functools.wraps(original)
+    def all_gather_list(data, group=None, max_size=16384):
+        """fairseq's gather of any picklable ``data`` from every rank of
+        ``group`` (a list in rank order); without GPUs, torch's
+        ``all_gather_object`` (fairseq's stages it through a CUDA buffer)."""
+        if torch.cuda.is_available() or distributed_utils.use_xla():
+            return original(data, group=group, max_size=max_size)
+        if group is None:
+            group = distributed_utils.get_global_group()
+        gathered = [None] * dist.get_world_size(group=group)
+        dist.all_gather_object(gathered, data, group=group)
+        return gathered
+
+    distributed_utils.all_gather_list = all_gather_list

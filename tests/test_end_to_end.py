@@ -737,3 +737,27 @@ def test_eval_lm_over_two_data_parallel_groups(trained, tmp_path):
     assert "2 data-parallel groups scored" in four, four[-3000:]
     assert evaluated_tokens(four) < evaluated_tokens(one)  # this rank's shard only: the data was split
     assert abs(eval_loss(four) - eval_loss(one)) <= 2e-4, (eval_loss(four), eval_loss(one))
+
+
+def test_fairseq_validate_over_two_data_parallel_groups(trained):
+    """fairseq-validate at world size 4, model-parallel size 2 (two
+    data-parallel groups, 7 batches: one group's shard ends with the empty
+    batch fairseq pads it with) prints its configuration and result once,
+    the loss of one process at size 1 on the same checkpoint (its parts
+    joined in memory). Before: every rank printed both, the gather of the
+    groups' results failed on CPU (fairseq allocates a CUDA buffer), and
+    the padding batch failed on any machine (KeyError 'net_input').
+    Tolerance: one unit of the 3 printed decimals (fp32 sums in another
+    order)."""
+    args = [trained["data"], "--user-dir", USER_DIR, "--cpu", "--task", "language_modeling", "--path",
+            os.path.join(trained["ckpt"], "checkpoint_last.pt"), "--sample-break-mode", "none",
+            "--tokens-per-sample", "32", "--batch-size", "6", "--valid-subset", "valid"]
+    _, one = fairseq("validate", args)
+    _, four = fairseq("validate", args + ["--model-parallel-size", "2"], nproc=4)
+    assert re.search(r"initialized host \S+ as rank 3\b", four), four[-3000:]  # ran at world size 4
+    losses = {n: [float(v) for v in re.findall(r"valid on 'valid' subset \| loss ([0-9.]+)", log)]
+              for n, log in (("one", one), ("four", four))}
+    assert len(losses["one"]) == len(losses["four"]) == 1, (losses, four[-3000:])
+    assert abs(losses["one"][0] - losses["four"][0]) <= 1.1e-3, losses
+    assert four.count("| INFO | fairseq_cli.validate | {'_name'") == 1, four[-3000:]
+

@@ -145,11 +145,20 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    torch's ``all_gather_object``. With a number of batches that the groups
    do not divide it failed on any machine (``KeyError: 'net_input'``): the
    empty batch that fairseq pads a short shard with now scores nothing.
+19. :func:`_evaluation_scores_every_sample` -- fairseq's ``batch_by_size``
+   drops the last batch when its size is not a multiple of
+   ``--required-batch-size-multiple`` (8 by default; facebookresearch/fairseq
+   issue 5036), so fairseq-validate, fairseq-train's validation and
+   fairseq-generate silently skipped up to 7 samples of every subset (with
+   ``--batch-size 4``, 4 of the test model's 44 validation blocks; with
+   ``--batch-size 6``, 2). There it is now kept. Training batches are left
+   as fairseq makes them (fixed shapes for compiled steps).
 """
 
 import atexit
 import collections.abc
 import contextlib
+import contextvars
 import copy
 import functools
 import logging
@@ -161,6 +170,7 @@ import types
 import weakref
 from typing import Optional
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -195,6 +205,7 @@ def install() -> None:
     _broadcast_from_a_rank_of_the_group()
     _spawned_processes_install_the_plugin()
     _fairseq_validate_across_ranks()
+    _evaluation_scores_every_sample()
     _INSTALLED = True
 
 
@@ -1174,3 +1185,49 @@ def _fairseq_validate_across_ranks() -> None:
         return gathered
 
     distributed_utils.all_gather_list = all_gather_list
+
+
+# Whether fairseq's batch_by_size keeps a last batch of any size (step 19):
+# set while an evaluation builds its batches.
+_keep_the_last_batch = contextvars.ContextVar("keep_the_last_batch", default=False)
+
+
+def _evaluating(function):
+    """``function``, building its batches with the last one kept."""
+
+    @functools.wraps(function)
+    def evaluating(*args, **kwargs):
+        token = _keep_the_last_batch.set(True)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _keep_the_last_batch.reset(token)
+
+    return evaluating
+
+
+def _evaluation_scores_every_sample() -> None:
+    from fairseq import trainer
+    from fairseq.data import data_utils
+
+    original = data_utils.batch_by_size
+
+    @functools.wraps(original)
+    def batch_by_size(indices, num_tokens_fn, *args, **kwargs):
+        """fairseq's batches; while evaluating, with the last batch that it
+        drops for not being a multiple of ``required_batch_size_multiple``.
+        fairseq fills the batches in the order of ``indices``, so the dropped
+        batch is the indices after the others."""
+        if not _keep_the_last_batch.get():
+            return original(indices, num_tokens_fn, *args, **kwargs)
+        indices = np.fromiter(indices, dtype=np.int64, count=-1)  # fairseq's conversion, kept for the tail
+        batches = original(indices, num_tokens_fn, *args, **kwargs)
+        batched = sum(len(batch) for batch in batches)
+        if batched < len(indices):
+            batches = list(batches) + [indices[batched:]]
+        return batches
+
+    data_utils.batch_by_size = batch_by_size
+    trainer.Trainer.get_valid_iterator = _evaluating(trainer.Trainer.get_valid_iterator)
+    for name in ("fairseq_cli.validate", "fairseq_cli.generate"):
+        _patch_cli_main(name, lambda main, module: _evaluating(main))

@@ -761,3 +761,47 @@ def test_fairseq_validate_over_two_data_parallel_groups(trained):
     assert abs(losses["one"][0] - losses["four"][0]) <= 1.1e-3, losses
     assert four.count("| INFO | fairseq_cli.validate | {'_name'") == 1, four[-3000:]
 
+
+def _valid_losses(log):
+    return [float(v) for v in re.findall(r"valid on 'valid' subset \| loss ([0-9.]+)", log)]
+
+
+def test_evaluation_scores_every_sample(trained, tmp_path):
+    """fairseq drops the last batch when its size is not a multiple of
+    ``--required-batch-size-multiple`` (8 by default; fairseq issue 5036).
+    With ``--batch-size 4`` the test model's 44 validation blocks made 10
+    batches, 40 blocks: fairseq-validate printed 8.33 where fairseq-eval-lm,
+    which scores every token, prints 8.3118; fairseq-train's validation
+    missed the same blocks (8.912 against 8.8676), and fairseq-generate wrote
+    40 hypotheses for 44 prompts. Now all three cover every block: the validation losses equal
+    eval-lm's on the same weights. Tolerance: the two tools print 3 and 4
+    decimals (rounding, 5.5e-4) plus fp32 sums in another order."""
+    data, ckpt = trained["data"], os.path.join(trained["ckpt"], "checkpoint_last.pt")
+    subset = ["--sample-break-mode", "none", "--tokens-per-sample", "32", "--batch-size", "4"]
+    evaluate = [data, "--user-dir", USER_DIR, "--cpu", "--task", "language_modeling", *subset]
+
+    def eval_lm_loss(path):
+        _, log = fairseq("eval_lm", evaluate + ["--path", path, "--gen-subset", "valid"])
+        assert evaluated_tokens(log) == 1395, log[-3000:]  # every token of the 44 blocks
+        return eval_loss(log)
+
+    _, log = fairseq("validate", evaluate + ["--path", ckpt, "--valid-subset", "valid"])
+    validated, scored = _valid_losses(log), eval_lm_loss(ckpt)
+    assert len(validated) == 1 and abs(validated[0] - scored) <= 1e-3, (validated, scored)
+
+    # fairseq-train at size 1 validating after update 2, then saving those weights
+    save_dir = tmp_path / "train"
+    args = train_args(data, str(save_dir), max_update=2)
+    args.remove("--disable-validation")
+    args[args.index("--model-parallel-size") + 1] = "1"
+    _, log = fairseq("train", args + ["--validate-interval-updates", "2", "--save-interval-updates", "2"])
+    validated, scored = _valid_losses(log), eval_lm_loss(str(save_dir / "checkpoint_last.pt"))
+    assert len(validated) == 1 and abs(validated[0] - scored) <= 1e-3, (validated, scored)
+
+    generate = evaluate + ["--path", ckpt, "--gen-subset", "valid", "--prefix-size", "2", "--max-len-b", "4",
+                           "--beam", "1"]
+    generate[generate.index("--batch-size") + 1] = "8"
+    _, log = fairseq("generate", generate)
+    assert sorted(int(line.split("\t")[0][2:]) for line in log.splitlines() if line.startswith("H-")) == list(
+        range(44)), log[-3000:]
+

@@ -294,6 +294,7 @@ def _launch_on_cpu() -> None:
         spawns world size / nodes processes, ranks from node id x that
         (fairseq counted the node's GPUs, none: world size 0, nothing
         spawned, exit status 0 with nothing trained)."""
+        global _cpu_processes_per_node
         if torch.cuda.device_count() > 0:
             return original_infer_slurm_init(cfg, num_pipelines_per_node)
         world_size = cfg.distributed_world_size
@@ -301,7 +302,6 @@ def _launch_on_cpu() -> None:
             return False
         cfg.device_id = 0
         if not cfg.distributed_no_spawn:  # fairseq's one-task-per-node branch
-            global _cpu_processes_per_node
             nodes = int(os.environ["SLURM_NNODES"])
             if world_size % nodes:
                 from fairseq_megatron.errors import UsageError
@@ -1213,15 +1213,19 @@ def _evaluation_scores_every_sample() -> None:
     original = data_utils.batch_by_size
 
     @functools.wraps(original)
-    def batch_by_size(indices, num_tokens_fn, *args, **kwargs):
+    def batch_by_size(indices, num_tokens_fn, num_tokens_vec=None, max_tokens=None, max_sentences=None,
+                      required_batch_size_multiple=1, fixed_shapes=None):
         """fairseq's batches; while evaluating, with the last batch that it
         drops for not being a multiple of ``required_batch_size_multiple``.
-        fairseq fills the batches in the order of ``indices``, so the dropped
-        batch is the indices after the others."""
-        if not _keep_the_last_batch.get():
-            return original(indices, num_tokens_fn, *args, **kwargs)
+        fairseq fills the batches in the order of ``indices`` (unless given
+        fixed shapes, left as they are), so the dropped batch is the indices
+        after the others."""
+        args = (num_tokens_fn, num_tokens_vec, max_tokens, max_sentences, required_batch_size_multiple,
+                fixed_shapes)
+        if not _keep_the_last_batch.get() or fixed_shapes is not None or required_batch_size_multiple <= 1:
+            return original(indices, *args)
         indices = np.fromiter(indices, dtype=np.int64, count=-1)  # fairseq's conversion, kept for the tail
-        batches = original(indices, num_tokens_fn, *args, **kwargs)
+        batches = original(indices, *args)
         batched = sum(len(batch) for batch in batches)
         if batched < len(indices):
             batches = list(batches) + [indices[batched:]]

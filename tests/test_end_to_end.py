@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from fairseq.data import data_utils
 
 from fairseq_megatron import USER_DIR
 from fairseq_megatron.checkpoint_resharding import export_to_fairseq, reshard
@@ -739,6 +740,10 @@ def test_eval_lm_over_two_data_parallel_groups(trained, tmp_path):
     assert abs(eval_loss(four) - eval_loss(one)) <= 2e-4, (eval_loss(four), eval_loss(one))
 
 
+def _valid_losses(log):
+    return [float(v) for v in re.findall(r"valid on 'valid' subset \| loss ([0-9.]+)", log)]
+
+
 def test_fairseq_validate_over_two_data_parallel_groups(trained):
     """fairseq-validate at world size 4, model-parallel size 2 (two
     data-parallel groups, 7 batches: one group's shard ends with the empty
@@ -755,15 +760,10 @@ def test_fairseq_validate_over_two_data_parallel_groups(trained):
     _, one = fairseq("validate", args)
     _, four = fairseq("validate", args + ["--model-parallel-size", "2"], nproc=4)
     assert re.search(r"initialized host \S+ as rank 3\b", four), four[-3000:]  # ran at world size 4
-    losses = {n: [float(v) for v in re.findall(r"valid on 'valid' subset \| loss ([0-9.]+)", log)]
-              for n, log in (("one", one), ("four", four))}
+    losses = {"one": _valid_losses(one), "four": _valid_losses(four)}
     assert len(losses["one"]) == len(losses["four"]) == 1, (losses, four[-3000:])
     assert abs(losses["one"][0] - losses["four"][0]) <= 1.1e-3, losses
     assert four.count("| INFO | fairseq_cli.validate | {'_name'") == 1, four[-3000:]
-
-
-def _valid_losses(log):
-    return [float(v) for v in re.findall(r"valid on 'valid' subset \| loss ([0-9.]+)", log)]
 
 
 def test_evaluation_scores_every_sample(trained, tmp_path):
@@ -773,16 +773,21 @@ def test_evaluation_scores_every_sample(trained, tmp_path):
     batches, 40 blocks: fairseq-validate printed 8.33 where fairseq-eval-lm,
     which scores every token, prints 8.3118; fairseq-train's validation
     missed the same blocks (8.912 against 8.8676), and fairseq-generate wrote
-    40 hypotheses for 44 prompts. Now all three cover every block: the validation losses equal
-    eval-lm's on the same weights. Tolerance: the two tools print 3 and 4
-    decimals (rounding, 5.5e-4) plus fp32 sums in another order."""
+    40 hypotheses for 44 prompts. Now all three cover every block: the
+    validation losses equal eval-lm's on the same weights. Tolerance: the two
+    tools print 3 and 4 decimals (rounding, 5.5e-4) plus fp32 sums in
+    another order."""
     data, ckpt = trained["data"], os.path.join(trained["ckpt"], "checkpoint_last.pt")
+    valid = data_utils.load_indexed_dataset(os.path.join(data, "valid"), None)  # unmapped when collected
+    tokens = int(valid.sizes.sum())
+    blocks = -(-tokens // 32)  # --tokens-per-sample 32
+    assert blocks % 8, blocks  # so that generate's --batch-size 8 also leaves a short last batch
     subset = ["--sample-break-mode", "none", "--tokens-per-sample", "32", "--batch-size", "4"]
     evaluate = [data, "--user-dir", USER_DIR, "--cpu", "--task", "language_modeling", *subset]
 
     def eval_lm_loss(path):
         _, log = fairseq("eval_lm", evaluate + ["--path", path, "--gen-subset", "valid"])
-        assert evaluated_tokens(log) == 1395, log[-3000:]  # every token of the 44 blocks
+        assert evaluated_tokens(log) == tokens, log[-3000:]
         return eval_loss(log)
 
     _, log = fairseq("validate", evaluate + ["--path", ckpt, "--valid-subset", "valid"])
@@ -803,5 +808,5 @@ def test_evaluation_scores_every_sample(trained, tmp_path):
     generate[generate.index("--batch-size") + 1] = "8"
     _, log = fairseq("generate", generate)
     assert sorted(int(line.split("\t")[0][2:]) for line in log.splitlines() if line.startswith("H-")) == list(
-        range(44)), log[-3000:]
+        range(blocks)), log[-3000:]
 

@@ -72,7 +72,10 @@ def output_paths(path: str, num_parts: int) -> List[str]:
 
 
 def _part_ranks(path: str) -> List[int]:
-    """The K of every ``<path>-model_part-K.pt`` on disk, ascending."""
+    """The K of every ``<path>-model_part-K.pt`` on disk, ascending; none for
+    a name not ending in ``.pt`` (fairseq's part names replace the ``.pt``)."""
+    if not path.endswith(".pt"):
+        return []
     prefix = part_path(path, 0)[: -len("0.pt")]
     tails = (p[len(prefix): -len(".pt")] for p in glob.glob(glob.escape(prefix) + "*.pt"))
     return sorted(int(tail) for tail in tails if tail.isdigit())
@@ -91,7 +94,7 @@ def find_part_files(path: str) -> List[str]:
             files both exist (checkpoints of two sizes under one name: which
             one was meant cannot be told).
     """
-    ranks = _part_ranks(path) if path.endswith(".pt") else []
+    ranks = _part_ranks(path)
     if os.path.exists(path):
         if ranks:
             raise CheckpointError(
@@ -133,8 +136,8 @@ def check_output_name(output_path: str, outputs: List[str]) -> None:
     (the files of one size) exist under the name ``output_path``: writing
     would leave two sizes under one name, which :func:`find_part_files`
     refuses to choose between."""
-    ranks = _part_ranks(output_path) if output_path.endswith(".pt") else []  # an export may be named freely
-    existing = ([output_path] if os.path.exists(output_path) else []) + [part_path(output_path, r) for r in ranks]
+    existing = ([output_path] if os.path.exists(output_path) else []) + [
+        part_path(output_path, r) for r in _part_ranks(output_path)]  # an export may be named freely
     stale = [f for f in existing if f not in outputs]
     if stale:
         raise CheckpointError(f"{stale[0]} exists under the output name {output_path} and is not one of the "

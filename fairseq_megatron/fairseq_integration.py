@@ -341,15 +341,24 @@ def _launch_on_cpu() -> None:
     fairseq.models.DistributedFairseqModel = DistributedFairseqModel
 
 
-class _TorchStandIn(types.ModuleType):
-    """Stands in for ``torch`` as the global ``torch`` of one fairseq module:
-    torch's names, except those a subclass defines."""
+class _StandIn(types.ModuleType):
+    """Stands in for module ``stands_for`` as a global of one fairseq module:
+    that module's names (looked up on each use), except those a subclass
+    defines."""
 
-    def __init__(self):
-        super().__init__("torch")
+    def __init__(self, stands_for: types.ModuleType):
+        super().__init__(stands_for.__name__)
+        self.stands_for = stands_for
 
     def __getattr__(self, name):
-        return getattr(torch, name)
+        return getattr(self.stands_for, name)
+
+
+class _TorchStandIn(_StandIn):
+    """Stands in for ``torch`` as the global ``torch`` of one fairseq module."""
+
+    def __init__(self):
+        super().__init__(torch)
 
 
 class _TorchWithTrustedLoad(_TorchStandIn):
@@ -1082,14 +1091,11 @@ def _run_spawned(fn, index: int, *args) -> None:
         raise
 
 
-class _SpawnWithThePlugin(types.ModuleType):
+class _SpawnWithThePlugin(_StandIn):
     """``torch.multiprocessing`` as ``fairseq.distributed.utils`` sees it."""
 
     def __init__(self):
-        super().__init__("torch.multiprocessing")
-
-    def __getattr__(self, name):
-        return getattr(torch.multiprocessing, name)
+        super().__init__(torch.multiprocessing)
 
     @staticmethod
     def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
@@ -1132,23 +1138,17 @@ def _scoring_empty_batches_as_nothing(task):
     return task
 
 
-class _CheckpointUtilsInValidate(types.ModuleType):
+class _CheckpointUtilsInValidate(_StandIn):
     """``fairseq.checkpoint_utils`` as ``fairseq_cli/validate.py`` sees it:
     the task it loads with the model scores empty batches as nothing."""
 
     def __init__(self):
-        super().__init__("fairseq.checkpoint_utils")
-
-    def __getattr__(self, name):
         from fairseq import checkpoint_utils
 
-        return getattr(checkpoint_utils, name)
+        super().__init__(checkpoint_utils)
 
-    @staticmethod
-    def load_model_ensemble_and_task(*args, **kwargs):
-        from fairseq import checkpoint_utils
-
-        models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(*args, **kwargs)
+    def load_model_ensemble_and_task(self, *args, **kwargs):
+        models, cfg, task = self.stands_for.load_model_ensemble_and_task(*args, **kwargs)
         return models, cfg, _scoring_empty_batches_as_nothing(task)
 
 

@@ -430,6 +430,13 @@ def test_hub_interface_in_a_world_of_2(trained, tmp_path, model_parallel_size):
     assert all(l.startswith("size=2 ") and l.split(": ", 1)[1].startswith("return the") for l in rank0)
 
 
+def _free_port() -> int:
+    """A TCP port on this machine that no process listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_fairseq_spawning_its_processes(trained, tmp_path):
     """Without torchrun fairseq starts the processes itself
     (``torch.multiprocessing.spawn``), as ``fairseq-train
@@ -447,11 +454,8 @@ def test_fairseq_spawning_its_processes(trained, tmp_path):
     input in the spawned processes is one line each, and the launching
     process reports their exit."""
     def launch(world_size=2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        return ["--distributed-world-size", str(world_size), "--distributed-init-method", f"tcp://127.0.0.1:{port}",
-                "--distributed-backend", "gloo"]
+        return ["--distributed-world-size", str(world_size), "--distributed-init-method",
+                f"tcp://127.0.0.1:{_free_port()}", "--distributed-backend", "gloo"]
 
     _, log = fairseq("train", train_args(trained["data"], str(tmp_path / "spawned"), max_update=4) + launch())
     assert "training on 2 devices" in log and "torch.distributed.run" not in log, log[-3000:]
@@ -504,9 +508,7 @@ def _under_slurm(tmp_path, args, nodes, tasks_per_node):
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")  # fairseq runs: scontrol show hostnames
     (bin_dir / "scontrol").chmod(0o755)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     tasks, logs = [], []
     for node in range(nodes):
         for local in range(tasks_per_node):

@@ -23,10 +23,13 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    by ``torch.cuda.device_count()`` (ZeroDivisionError), ignores torchrun's
    WORLD_SIZE unless ``--distributed-world-size`` repeats it, defaults to
    the NCCL backend, and (data parallelism at model-parallel size 1) hands a
-   GPU device id to torch's DistributedDataParallel. Under SLURM without
-   GPUs, one task per process failed in ``torch.cuda.set_device``, and one
-   task per node spawned no process and exited 0 with nothing trained; each
-   node now spawns its share of ``--distributed-world-size``.
+   GPU device id to torch's DistributedDataParallel. Without a launcher or
+   an init method fairseq asserted a GPU per process ("world size is 2 but
+   have 0 available devices"); there they are now CPU processes on a free
+   port. Under SLURM without GPUs, one task per process failed in
+   ``torch.cuda.set_device``, and one task per node spawned no process and
+   exited 0 with nothing trained; each node now spawns its share of
+   ``--distributed-world-size``.
 4. :func:`_trusted_checkpoint_loading` -- torch >= 2.6 loads with
    ``weights_only=True``; fairseq checkpoints hold argparse/omegaconf objects.
    fairseq's checkpoint loader again loads full pickles, and so does its
@@ -313,6 +316,25 @@ def _launch_on_cpu() -> None:
             cfg.distributed_rank = int(os.environ["SLURM_NODEID"]) * _cpu_processes_per_node
         return True
 
+    original_infer_single_node_init = dist_utils._infer_single_node_init
+
+    @functools.wraps(original_infer_single_node_init)
+    def infer_single_node_init(cfg):
+        """fairseq's branch for one machine without a launcher, which
+        asserts a GPU per process ("world size is 2 but have 0 available
+        devices"); without GPUs the processes are CPU processes, spawned by
+        step 17, on a free port unless ``--distributed-port`` names one."""
+        if torch.cuda.device_count() > 0:
+            return original_infer_single_node_init(cfg)
+        if cfg.distributed_port <= 0:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                cfg.distributed_port = s.getsockname()[1]
+        cfg.distributed_init_method = f"tcp://localhost:{cfg.distributed_port}"
+
+    dist_utils._infer_single_node_init = infer_single_node_init
     dist_utils._infer_torch_distributed_launch_init = infer_torch_distributed_launch_init
     dist_utils._infer_slurm_init = infer_slurm_init
     dist_utils.infer_init_method = infer_init_method

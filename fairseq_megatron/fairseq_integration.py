@@ -45,9 +45,15 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    crashed on uneven shards and gave wrong contexts once batches were split
    over shards or workers, and each group printed its own shard's
    perplexity; :mod:`fairseq_megatron.eval_lm` fixes the three.
-6. :func:`_model_parallel_generate` -- ``fairseq-generate`` never starts
-   torch.distributed; with ``--model-parallel-size N`` it now does, and only
-   model-parallel rank 0 prints the hypotheses of fairseq-generate.
+6. :func:`_model_parallel_generate` -- ``fairseq-generate`` never started
+   torch.distributed, yet sharded its batches by the world size: one
+   process generated 1 / world size of the subset (at fairseq's default
+   world size, the number of visible GPUs), torchrun's processes each all of
+   it. It now launches as fairseq-eval-lm does, at any model-parallel
+   size; only model-parallel rank 0 prints, and the output of several
+   data-parallel groups is printed once, in one process's order, with one
+   score line (:mod:`fairseq_megatron.generate`; before, the groups wrote
+   over each other's ``--results-path`` file).
    fairseq-interactive under torchrun read standard input in every process,
    so the ranks split the lines between them and hung in their first
    collective; now rank 0 reads and sends each buffer of lines to all ranks,
@@ -496,16 +502,23 @@ def _not_model_parallel_rank_0() -> bool:
 
 
 def _model_parallel_generate() -> None:
-    """fairseq-generate and fairseq-interactive with ``--model-parallel-size N``.
+    """fairseq-generate over all ranks of the world, and fairseq-interactive under torchrun.
 
     ``fairseq_cli/generate.py`` calls ``main(args)`` directly, never
-    fairseq's distributed launcher, so no model-parallel group (and no
-    ``-model_part-K`` checkpoint suffix) would exist. With N > 1 the call goes
-    through ``distributed_utils.call_main`` first, as fairseq-train and
-    fairseq-eval-lm do. Every rank of a group then computes the same
-    hypotheses; only model-parallel rank 0 prints them (or writes
-    ``--results-path``), the others write to /dev/null. fairseq-interactive
-    already starts torch.distributed; it only gets the printing rule.
+    fairseq's distributed launcher, yet shards its batches by the world
+    size: at a world size above 1 (fairseq's default is the number of
+    visible GPUs) one process generated shard 0 alone, under torchrun every
+    process generated everything, and with model parallelism no
+    model-parallel group (and no ``-model_part-K`` checkpoint suffix) would
+    exist. It now goes through ``distributed_utils.call_main`` first, as
+    fairseq-eval-lm and fairseq-interactive do: one process per rank, the
+    data sharded over the data-parallel groups. Every rank of a group
+    computes the same hypotheses; model-parallel rank 0 prints them (or
+    writes ``--results-path``), the others write to /dev/null. With two or
+    more groups, :mod:`fairseq_megatron.generate` collects their output and
+    rank 0 prints it once, in the order of a run in one process, with one
+    score line. fairseq-interactive already starts torch.distributed; it
+    only gets the printing rule.
     """
     import contextlib
 
@@ -513,18 +526,55 @@ def _model_parallel_generate() -> None:
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.distributed import utils as dist_utils
 
+    from fairseq_megatron import generate, parallel_state
+
+    launching = contextvars.ContextVar("launching_fairseq_generate", default=False)
+
     def wrap_generate(original_main, module):
         def main(cfg):
             if not hasattr(cfg, "common_eval"):  # an argparse Namespace
                 cfg = convert_namespace_to_omegaconf(cfg)
-            if cfg.common.model_parallel_size > 1 and not dist.is_initialized():
-                return dist_utils.call_main(cfg, module.main)
+            if not dist.is_initialized() and not launching.get():
+                # call_main runs module.main (this function) in each process it
+                # starts, or here with the world size 1
+                token = launching.set(True)
+                try:
+                    return dist_utils.call_main(cfg, module.main)
+                finally:
+                    launching.reset(token)
+            if dist.is_initialized() and parallel_state.get_data_parallel_world_size() > 1:
+                return generate.generate_over_data_parallel_groups(original_main, cfg)
             if _not_model_parallel_rank_0():
                 with open(os.devnull, "w") as devnull:
                     return module._main(cfg, devnull)
             return original_main(cfg)
 
         return main
+
+    def collected(_main):
+        @functools.wraps(_main)
+        def main(cfg, output_file):
+            output = generate.collecting.get()
+            return _main(cfg, output if output is not None else output_file)
+
+        return main
+
+    class ProgressBarCuttingBatches(_StandIn):
+        """``fairseq.logging.progress_bar`` in fairseq_cli.generate: while
+        its output is collected, the batches pass through the collector."""
+
+        def progress_bar(self, *args, **kwargs):
+            bar = self.stands_for.progress_bar(*args, **kwargs)
+            output = generate.collecting.get()
+            return bar if output is None else generate.BatchCuttingProgressBar(bar, output)
+
+    class ScoringOfShards(_StandIn):
+        """``fairseq.scoring`` in fairseq_cli.generate: while its output is
+        collected, the scorer is a :class:`fairseq_megatron.generate.ShardScorer`."""
+
+        def build_scorer(self, *args, **kwargs):
+            scorer = self.stands_for.build_scorer(*args, **kwargs)
+            return scorer if generate.collecting.get() is None else generate.ShardScorer(scorer)
 
     def wrap_interactive(original_main, module):
         def main(cfg, **kwargs):
@@ -538,6 +588,10 @@ def _model_parallel_generate() -> None:
         return main
 
     _patch_cli_main("fairseq_cli.generate", wrap_generate)
+    _replace_in_cli_module("fairseq_cli.generate", "_main", collected)
+    _replace_in_cli_module("fairseq_cli.generate", "progress_bar", ProgressBarCuttingBatches)
+    _replace_in_cli_module("fairseq_cli.generate", "StopwatchMeter", lambda _: generate.GenerationTimer)
+    _replace_in_cli_module("fairseq_cli.generate", "scoring", ScoringOfShards)
     _patch_cli_main("fairseq_cli.interactive", wrap_interactive)
     _replace_in_cli_module("fairseq_cli.interactive", "buffered_read", _read_on_rank_0)
 

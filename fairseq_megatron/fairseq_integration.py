@@ -517,7 +517,8 @@ def _model_parallel_generate() -> None:
     writes ``--results-path``), the others write to /dev/null. With two or
     more groups, :mod:`fairseq_megatron.generate` collects their output and
     rank 0 prints it once, in the order of a run in one process, with one
-    score line. fairseq-interactive already starts torch.distributed; it
+    score line; a ``--results-path`` file is always written whole, under a
+    temporary name first. fairseq-interactive already starts torch.distributed; it
     only gets the printing rule.
     """
     import contextlib
@@ -542,7 +543,8 @@ def _model_parallel_generate() -> None:
                     return dist_utils.call_main(cfg, module.main)
                 finally:
                     launching.reset(token)
-            if dist.is_initialized() and parallel_state.get_data_parallel_world_size() > 1:
+            if cfg.common_eval.results_path is not None or (
+                    dist.is_initialized() and parallel_state.get_data_parallel_world_size() > 1):
                 return generate.generate_over_data_parallel_groups(original_main, cfg)
             if _not_model_parallel_rank_0():
                 with open(os.devnull, "w") as devnull:

@@ -200,7 +200,9 @@ def generate_over_data_parallel_groups(original_main, cfg):
     line recomputed over all shards (if the scorer's statistics are unknown,
     each shard's score line, marked as such). With ``--results-path`` the
     text goes to ``generate-<subset>.txt`` through a temporary file that is
-    renamed when complete.
+    renamed when complete, also from one process or one group (fairseq
+    truncated the file first, then wrote line by line: a run that failed
+    left a partial file, or an empty one in place of the last run's).
 
     Returns rank 0's scorer (merged) on every rank of model-parallel rank 0's
     group; the others return their own shard's scorer, as fairseq's ``main``.
@@ -216,20 +218,24 @@ def generate_over_data_parallel_groups(original_main, cfg):
         collecting.reset(token)
         cfg.common_eval.results_path = results_path
 
-    group = parallel_state.get_data_parallel_group()
-    shards = dist.get_world_size(group)
-    printing = parallel_state.get_tensor_model_parallel_rank() == 0
+    distributed = dist.is_initialized()
+    printing = not distributed or parallel_state.get_tensor_model_parallel_rank() == 0
     mine = (output.texts() if printing else None, scorer_statistics(scorer), output.sentences)
-    gathered = [None] * shards
-    dist.all_gather_object(gathered, mine, group=group)
+    shards = parallel_state.get_data_parallel_world_size() if distributed else 1
+    gathered = [mine]
+    if shards > 1:
+        gathered = [None] * shards
+        dist.all_gather_object(gathered, mine, group=parallel_state.get_data_parallel_group())
     if not printing:
         return scorer
     merged = merge_scorer_statistics(scorer, [statistics for _, statistics, _ in gathered])
-    if dist.get_rank() == 0:
+    if not distributed or dist.get_rank() == 0:
         text = _interleaved([texts for texts, _, _ in gathered], cfg, scorer if merged else None)
         _write(text, results_path, cfg.dataset.gen_subset)
-        sentences = sum(count for _, _, count in gathered)
-        logger.info("generate: %d data-parallel groups translated %s sentences together", shards, f"{sentences:,}")
+        if shards > 1:
+            sentences = sum(count for _, _, count in gathered)
+            logger.info("generate: %d data-parallel groups translated %s sentences together", shards,
+                        f"{sentences:,}")
     return scorer
 
 

@@ -414,6 +414,16 @@ def test_fairseq_generate_over_data_parallel_groups(trained, tmp_path):
     log, two_groups = results(args + ["--model-parallel-size", "2"], nproc=4)
     assert f"2 data-parallel groups translated {blocks} sentences together" in log, log[-3000:]
     assert generated(two_groups) == generated(one_group)
+    # a run that fails (here: no such checkpoint) leaves the last run's file as it was;
+    # fairseq opened it for writing first, and left it empty
+    failed = tmp_path / "results-failed"
+    failed.mkdir()
+    (failed / "generate-test.txt").write_text(one_group)
+    bad = args + ["--results-path", str(failed)]
+    bad[bad.index("--path") + 1] = str(tmp_path / "no_such" / "model.pt")
+    rc, log = fairseq("generate", bad, check=False)
+    assert rc == 1 and "no_such" in log.splitlines()[-1], log[-3000:]
+    assert os.listdir(failed) == ["generate-test.txt"] and (failed / "generate-test.txt").read_text() == one_group
 
     # size 1: one process, torchrun with 2, fairseq's own spawn of 2 (no init method given)
     _, single = fairseq("generate", args)

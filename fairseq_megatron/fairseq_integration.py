@@ -57,7 +57,9 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    fairseq-interactive under torchrun read standard input in every process,
    so the ranks split the lines between them and hung in their first
    collective; now rank 0 reads and sends each buffer of lines to all ranks,
-   and only rank 0 prints.
+   and only rank 0 prints. The processes that fairseq spawns itself read
+   /dev/null as standard input and answered nothing; the launching process
+   now passes its standard input on to rank 0 through a named pipe.
 7. :func:`_data_parallel_only` -- with ``--model-parallel-size 1`` (the
    default) under a distributed launch, fairseq creates no model-parallel
    groups, so building our model failed ("model parallel group is not
@@ -596,29 +598,73 @@ def _model_parallel_generate() -> None:
     _replace_in_cli_module("fairseq_cli.generate", "scoring", ScoringOfShards)
     _patch_cli_main("fairseq_cli.interactive", wrap_interactive)
     _replace_in_cli_module("fairseq_cli.interactive", "buffered_read", _read_on_rank_0)
+    _replace_in_cli_module("fairseq_cli.interactive", "distributed_utils", _InteractiveLaunch)
+
+
+class _InteractiveLaunch(_StandIn):
+    """``fairseq.distributed.utils`` in fairseq_cli.interactive. When fairseq
+    is about to spawn the processes itself (no torchrun: ``--distributed-world-size``
+    above 1, by default the number of visible GPUs, or SLURM) and the prompts
+    come from standard input, which multiprocessing replaces by /dev/null in
+    the processes it starts (fairseq-interactive answered nothing and exited
+    0), the launching process passes its standard input on to rank 0 through
+    a named pipe given as ``--input``, line by line as it arrives."""
+
+    def call_main(self, cfg, main, **kwargs):
+        launch = cfg.distributed_training
+        if launch.distributed_init_method is None:
+            self.stands_for.infer_init_method(launch)  # call_main's first step; it skips it then
+        spawning = launch.distributed_init_method is not None and not launch.distributed_no_spawn
+        if not spawning or cfg.interactive.input != "-":
+            return self.stands_for.call_main(cfg, main, **kwargs)
+        with _standard_input_through_a_pipe() as pipe:
+            cfg.interactive.input = pipe
+            return self.stands_for.call_main(cfg, main, **kwargs)
+
+
+@contextlib.contextmanager
+def _standard_input_through_a_pipe():
+    """The path of a named pipe that yields this process's standard input,
+    copied line by line by a daemon thread; removed on exit. The thread
+    blocks until a reader opens the pipe and ends with the input, or when
+    the reader goes away."""
+    import shutil
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="fairseq-interactive-")
+    path = os.path.join(directory, "stdin")
+    os.mkfifo(path)
+
+    def copy():
+        try:
+            with open(path, "w", encoding="utf-8") as pipe:
+                for line in sys.stdin:
+                    pipe.write(line)
+                    pipe.flush()
+        except (BrokenPipeError, OSError):  # the reader exited first
+            pass
+
+    threading.Thread(target=copy, name="stdin-to-rank-0", daemon=True).start()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _read_on_rank_0(buffered_read):
     """Wrap fairseq-interactive's ``buffered_read(input, buffer_size)`` (a
     generator of lists of lines) so that under torch.distributed only global
-    rank 0 reads ``input`` (a file or standard input) and broadcasts each
+    rank 0 reads ``input`` (a file, standard input, or the pipe of
+    :func:`_standard_input_through_a_pipe`) and broadcasts each
     list; the others receive the same lists, then ``None`` at the end. The
     broadcasts go over a gloo group of their own with a week's timeout: rank
     0 may wait for a person to type, and the default group would time out."""
     import datetime
-    import multiprocessing
 
     import torch.distributed as dist
 
-    from fairseq_megatron.errors import UsageError
-
     @functools.wraps(buffered_read)
     def read(input, buffer_size):
-        if input == "-" and multiprocessing.parent_process() is not None:
-            # multiprocessing gives the processes it starts /dev/null as standard input
-            raise UsageError("fairseq-interactive's processes were spawned by fairseq (no torchrun) and cannot "
-                             "read standard input, which they would take as empty: pass --input FILE, or "
-                             "launch them with torchrun")
         if not dist.is_initialized() or dist.get_world_size() == 1:
             yield from buffered_read(input, buffer_size)
             return

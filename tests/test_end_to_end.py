@@ -510,8 +510,8 @@ def test_fairseq_spawning_its_processes(trained, tmp_path):
     same printed values); fairseq-eval-lm (with two data-parallel groups)
     prints the loss, and fairseq-generate the hypotheses, that torchrun's
     processes print;
-    fairseq-interactive answers prompts from ``--input`` and refuses
-    standard input, which spawned processes cannot read. A bad
+    fairseq-interactive answers prompts from ``--input``, and from standard
+    input, which the launching process passes on to rank 0. A bad
     input in the spawned processes is one line each, and the launching
     process reports their exit."""
     def launch(world_size=2):
@@ -540,14 +540,16 @@ def test_fairseq_spawning_its_processes(trained, tmp_path):
                 "--model-parallel-size", "2"]
     spawned = hypotheses(fairseq("generate", generate + launch())[1])
     assert len(spawned) >= 10 and spawned == hypotheses(fairseq("generate", generate, nproc=2)[1])
-    # fairseq-interactive: spawned processes get /dev/null as standard input (it answered nothing, exit 0)
+    # fairseq-interactive: spawned processes get /dev/null as standard input (upstream it answered
+    # nothing, exit 0); the launching process passes its standard input on to rank 0
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("return the value\n")
     interactive = [trained["data"], "--user-dir", USER_DIR, "--cpu", "--task", "language_modeling", "--path", path,
                    "--tokens-per-sample", "32", "--max-len-b", "8", "--beam", "1", "--model-parallel-size", "2"]
-    rc, log = fairseq("interactive", interactive + launch(), stdin="return the\n", check=False)
-    assert rc == 1 and ("error: fairseq-interactive's processes were spawned by fairseq (no torchrun) and cannot "
-                        "read standard input") in log, log[-3000:]
+    _, piped = fairseq("interactive", interactive + launch(), stdin="return the\nis the\n")
+    _, torchrun = fairseq("interactive", interactive, nproc=2, stdin="return the\nis the\n")
+    assert "as rank 1" in piped and sorted(hypotheses(piped)) == ["H-0", "H-1"], piped[-3000:]
+    assert hypotheses(piped) == hypotheses(torchrun)
     _, log = fairseq("interactive", interactive + launch() + ["--input", str(prompts)])
     assert [line.split("\t")[0] for line in log.splitlines() if line.startswith("H-")] == ["H-0"], log[-3000:]
 

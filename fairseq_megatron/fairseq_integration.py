@@ -164,6 +164,13 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    ``--batch-size 4``, 4 of the test model's 44 validation blocks; with
    ``--batch-size 6``, 2). There it is now kept. Training batches are left
    as fairseq makes them (fixed shapes for compiled steps).
+20. :func:`_resuming_at_another_data_parallel_size` -- a checkpoint records
+   how far its epoch got as the number of batches each data-parallel group
+   had taken. Resumed with another number of groups (more GPUs, or a
+   checkpoint resharded to another model-parallel size on the same GPUs),
+   fairseq read that count per group of the new run: with fewer groups it
+   trained batches again, with more it skipped batches of the epoch. The
+   count is now converted through the batches taken in all.
 """
 
 import atexit
@@ -217,6 +224,7 @@ def install() -> None:
     _spawned_processes_install_the_plugin()
     _fairseq_validate_across_ranks()
     _evaluation_scores_every_sample()
+    _resuming_at_another_data_parallel_size()
     _INSTALLED = True
 
 
@@ -1359,3 +1367,52 @@ def _evaluation_scores_every_sample() -> None:
     trainer.Trainer.get_valid_iterator = _evaluating(trainer.Trainer.get_valid_iterator)
     for name in ("fairseq_cli.validate", "fairseq_cli.generate"):
         _patch_cli_main(name, lambda main, module: _evaluating(main))
+
+
+def _resuming_at_another_data_parallel_size() -> None:
+    from fairseq.trainer import Trainer
+
+    original_save = Trainer.save_checkpoint
+
+    @functools.wraps(original_save)
+    def save_checkpoint(self, filename, extra_state):
+        extra_state["data_parallel_world_size"] = self.data_parallel_world_size
+        return original_save(self, filename, extra_state)
+
+    original_load = Trainer.load_checkpoint
+
+    @functools.wraps(original_load)
+    def load_checkpoint(self, *args, **kwargs):
+        extra_state = original_load(self, *args, **kwargs)
+        _continue_the_epoch(extra_state, self.data_parallel_world_size)
+        return extra_state
+
+    Trainer.save_checkpoint = save_checkpoint
+    Trainer.load_checkpoint = load_checkpoint
+
+
+def _continue_the_epoch(extra_state: Optional[dict], groups: int) -> None:
+    """Convert a checkpoint's position in its epoch to ``groups`` data-parallel groups, in place.
+
+    fairseq's ``EpochBatchIterator`` deals the epoch's batches (one order for
+    any number of groups: shuffled by seed and epoch) round-robin to the D
+    groups, so after ``iterations_in_epoch`` = k batches each, batches 0 ..
+    kD - 1 have been trained (``fairseq/data/iterators.py``:
+    ``ShardedIterator``). With G groups, each skips kD / G of its own; when
+    G does not divide kD, the last kD mod G batches are trained once more
+    (fewer than G). Checkpoints saved without the plugin's
+    ``data_parallel_world_size`` (by stock fairseq) are left as they are.
+    """
+    if not extra_state or "train_iterator" not in extra_state:
+        return
+    saved = extra_state.get("data_parallel_world_size")
+    position = extra_state["train_iterator"]
+    taken = position.get("iterations_in_epoch", 0) * (saved or 0)
+    if saved is None or saved == groups or taken == 0:
+        return
+    position["iterations_in_epoch"] = taken // groups
+    again = taken % groups
+    logger.info(
+        "resuming at %d data-parallel groups (saved at %d): epoch %d goes on after its first %d batches%s",
+        groups, saved, position["epoch"], taken,
+        f" ({again} of them trained once more: {taken} is not divisible by {groups})" if again else "")

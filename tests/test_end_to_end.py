@@ -784,6 +784,33 @@ def test_two_data_parallel_groups_fine_tune_and_resume(trained, tmp_path, model_
     assert all(abs(a - b) <= 1.1e-3 for a, b in zip(two, one)), (two, one)
 
 
+def test_resuming_at_another_data_parallel_size_goes_on_with_the_epoch(trained, tmp_path):
+    """2 updates on two data-parallel groups, saved, then 2 on one group with
+    ``--update-freq 2`` (the same 2 batches per update), and the other way
+    round: both log the losses of one group with ``--update-freq 2`` for 4
+    updates, batches 0-7 of the epoch in order. fairseq kept each group's own
+    count of batches: one group trained batches 2-5 after 0-3 (2 per group
+    taken as 2 in all), two groups skipped batches 4-7 (4 taken as 4 each).
+    Dropout is off, model-parallel size 1; tolerance: one unit of the 3
+    printed decimals (fp32 summation order)."""
+    one = tmp_path / "one" / "model.pt"
+    reshard(os.path.join(trained["ckpt"], "checkpoint_last.pt"), str(one), 1)
+
+    def train(save_dir, max_update, groups, *extra):
+        log = train_without_dropout(trained["data"], tmp_path / save_dir, max_update, 1, "--finetune-from-model",
+                                    str(one), *extra, groups=groups)[1]
+        return log, _per_update(log, "loss")
+
+    _, whole = train("whole", 4, 1, "--update-freq", "2", "--no-save")
+    for name, first, then in (("two_then_one", (2,), (1, "--update-freq", "2")),
+                              ("one_then_two", (1, "--update-freq", "2"), (2,))):
+        _, before = train(name, 2, *first)
+        log, after = train(name, 4, *then)  # resumes from checkpoint_last
+        assert "epoch 1 goes on after its first 4 batches" in log, log[-3000:]
+        assert len(whole) == 4 and len(before + after) == 4, (whole, before, after)
+        assert all(abs(a - b) <= 1.1e-3 for a, b in zip(before + after, whole)), (name, before + after, whole)
+
+
 def test_eval_lm_over_two_data_parallel_groups(trained, tmp_path):
     """World size 4 at model-parallel size 2 (two data-parallel groups, each
     DataLoader with 2 workers, an odd number of batches) prints the loss of

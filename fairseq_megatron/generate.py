@@ -26,7 +26,11 @@ output one (3): each group's lines are collected batch by batch, and global
 rank 0 prints them (or writes them under a temporary name, then renames)
 interleaved as the batches were dealt out, which is the order of a run in
 one process, followed by one score line computed from the statistics of all
-groups (:func:`merge_scorer_statistics`). :class:`GenerationTimer` and :class:`ShardScorer` fix 4.
+groups (:func:`merge_scorer_statistics`). :class:`GenerationTimer` and
+:class:`ShardScorer` fix 4. ``--results-path`` goes through the same
+collection in one process too: fairseq emptied the file before it loaded
+the model and wrote it line by line, so a failed run left an empty or
+partial file in place of the last run's.
 """
 
 import contextvars

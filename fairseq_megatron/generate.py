@@ -63,7 +63,6 @@ class BatchwiseOutput:
 
     def __init__(self):
         self.pieces: List[List[str]] = [[]]
-        self.batches_seen = 0
         self.sentences = 0
 
     def write(self, text: str) -> int:
@@ -77,7 +76,6 @@ class BatchwiseOutput:
         """``iterator``'s batches, starting a piece before each and after the last."""
         for sample in iterator:
             self.pieces.append([])
-            self.batches_seen += 1
             if "net_input" in sample:
                 self.sentences += len(sample["id"])
             yield sample
@@ -165,7 +163,7 @@ def scorer_statistics(scorer) -> Optional[list]:
     if isinstance(scorer, WerScorer):
         return [scorer.distance, scorer.ref_length]
     if isinstance(scorer, BaseScorer):
-        return [list(scorer.ref), list(scorer.pred)]
+        return [scorer.ref, scorer.pred]
     return None
 
 

@@ -226,15 +226,19 @@ def check_complete(files: Iterable[str]) -> None:
                                   f"is missing (was the file still being saved or copied?)")
 
 
-def saved_vocabulary_rows(path: str) -> Optional[int]:
-    """Rows of the token embedding in checkpoint file ``path`` (one model
-    part: the padded vocabulary divided by the size it was saved at), read
-    through a memory map without loading the tensors; None for a file in the
-    legacy format or without that tensor."""
+def saved_vocabulary(path: str) -> Tuple[Optional[int], Optional[int]]:
+    """``(rows, dictionary_size)`` of checkpoint file ``path``: the rows of its
+    token embedding (one model part: the padded vocabulary divided by the
+    size it was saved at) and the dictionary size its config records, read
+    through a memory map without loading the tensors. Each is None when
+    unknown: a file in the legacy format, without that tensor, or saved
+    before the dictionary size was recorded."""
     if not _can_be_memory_mapped(path):
-        return None
-    embedding = _load(path)["model"].get(EMBED_KEYS[0])
-    return None if embedding is None else embedding.size(0)
+        return None, None
+    state = _load(path)
+    embedding = state["model"].get(EMBED_KEYS[0])
+    return (None if embedding is None else embedding.size(0),
+            config_value(model_config(state), "dictionary_size"))
 
 
 def read_checkpoint(path: str) -> dict:
@@ -621,7 +625,7 @@ def fairseq_transformer_lm_config(config, cfg: Optional[dict] = None) -> dict:
 
 
 def export_to_fairseq(input_path: str, output_path: str, vocab_size: Optional[int] = None,
-                      verify: bool = True) -> str:
+                      verify: bool = True, parts: Optional[PartFiles] = None) -> str:
     """Write one checkpoint for fairseq's non-parallel ``transformer_lm``.
 
     The result holds only tensors and plain Python values, so stock fairseq
@@ -630,13 +634,14 @@ def export_to_fairseq(input_path: str, output_path: str, vocab_size: Optional[in
     fairseq builds its embedding with ``len(dictionary)`` rows, the size of
     the data's dict.txt plus 4 special symbols. Rows beyond it belong to
     ``madeupword`` padding symbols, which never occur in data; dropping them
-    removes their (small, after training) share of the softmax.
+    removes their (small, after training) share of the softmax. ``parts``:
+    the input's :class:`PartFiles`, if already opened.
 
     Raises:
         CheckpointError: as :func:`reshard`, or ``vocab_size`` larger than the
             checkpoint's vocabulary.
     """
-    parts = _prepare(input_path, output_path, [output_path])
+    parts = _prepare(input_path, output_path, [output_path], parts=parts)
     model = _model_part(parts, 0, 1, check_replicas=True, progress=None)
     rows = parts.padded_vocab_size
     if vocab_size is not None:

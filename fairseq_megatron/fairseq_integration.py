@@ -1044,23 +1044,34 @@ def _training_from_checkpoints_at_another_size() -> None:
     from fairseq_megatron.checkpoint_resharding import (
         check_complete,
         check_part_count,
+        config_value,
         find_part_files,
-        saved_vocabulary_rows,
+        model_config,
+        saved_vocabulary,
     )
     from fairseq_megatron.errors import UsageError
-    from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
+    from fairseq_megatron.models.model_parallel_transformer_lm import (
+        ModelParallelTransformerLanguageModel,
+        check_dictionary_size,
+    )
 
-    def check_vocabulary_rows(model, saved: Optional[int], path: str, size: int) -> None:
+    def check_vocabulary(trainer, saved: Optional[int], symbols: Optional[int], path: str, size: int) -> None:
         """fairseq-train builds the model before it loads a checkpoint, padding
         the dictionary for this run's size; a checkpoint from another size
         keeps the vocabulary it was trained with (``saved`` rows in all
         parts, None when unknown), and fairseq then failed with "Cannot load
-        model parameters ... ensure that the architectures match".
+        model parameters ... ensure that the architectures match". With
+        ``--padded-vocab-size`` the rows agree for any dictionary up to that
+        size, so the dictionary's own size is checked against the one the
+        checkpoint records (``symbols``, None when unknown).
 
         Raises:
-            UsageError: the rows differ; the message gives the flag to add.
+            UsageError: the rows differ (the message gives the flag to add),
+                or the dictionaries do.
         """
-        built = model.decoder.embed_tokens.weight.size(0) * size
+        check_dictionary_size(trainer.task.source_dictionary.symbols, trainer.cfg.model.dictionary_size,
+                              symbols, path)
+        built = trainer.get_model().decoder.embed_tokens.weight.size(0) * size
         if saved is not None and saved != built:
             raise UsageError(
                 f"{path} has a vocabulary of {saved} rows (the dictionary padded for the model-parallel "
@@ -1085,8 +1096,8 @@ def _training_from_checkpoints_at_another_size() -> None:
             return load(filename)  # no checkpoint at all: fairseq starts from scratch
         check_complete(files)  # each rank checks every part before any rank loads one
         if len(files) == size and PathManager.isfile(filename):
-            rows = saved_vocabulary_rows(filename)
-            check_vocabulary_rows(model, rows and rows * size, path, size)
+            rows, symbols = saved_vocabulary(filename)
+            check_vocabulary(self, rows and rows * size, symbols, path, size)
             return load(filename)
         check_part_count(path, files)  # parts lost are not another size
         if not reset_optimizer:
@@ -1102,8 +1113,8 @@ def _training_from_checkpoints_at_another_size() -> None:
                 and os.path.realpath(os.path.dirname(path)) == os.path.realpath(save_dir)):
             raise UsageError(f"{path} is in --save-dir {save_dir}, where this run would save checkpoints of "
                              f"model-parallel size {size} under the same names: pass another --save-dir")
-        rows = saved_vocabulary_rows(files[0])
-        check_vocabulary_rows(model, rows and rows * len(files), path, size)
+        rows, symbols = saved_vocabulary(files[0])
+        check_vocabulary(self, rows and rows * len(files), symbols, path, size)
 
         def this_ranks_part():
             state = _resharded_state(path, files)
@@ -1111,7 +1122,8 @@ def _training_from_checkpoints_at_another_size() -> None:
                 raise UsageError(f"{path} does not hold a model-parallel transformer LM of fairseq_megatron: "
                                  f"it cannot be split into model parts")
             # rows unknown above for files saved by PyTorch < 1.6 (not memory-mapped)
-            check_vocabulary_rows(model, state["model"]["decoder.embed_tokens.weight"].size(0) * size, path, size)
+            check_vocabulary(self, state["model"]["decoder.embed_tokens.weight"].size(0) * size,
+                             config_value(model_config(state), "dictionary_size"), path, size)
             return state
 
         with _checkpoint_read_as(files[0], this_ranks_part):  # fairseq logs the name files[0]

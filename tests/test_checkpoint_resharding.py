@@ -366,6 +366,35 @@ def test_export_to_fairseq_loads_in_stock_transformer_lm(tmp_path, cut_vocab):
     torch.testing.assert_close(stock, ours[..., :rows], **TOL)
 
 
+def test_export_cli_keeps_the_rows_of_the_trained_dictionary(tmp_path, capsys):
+    """``--to-fairseq`` keeps the rows of the dictionary the checkpoint
+    records (54 symbols of 64 rows), without ``--dict`` too: stock fairseq
+    builds its embedding from the data's dict.txt and failed to load an
+    export of all 64 rows ("size mismatch") unless told the size. A
+    ``--dict`` other than the trained one is refused."""
+    src = str(tmp_path / "src" / "model.pt")
+    os.makedirs(os.path.dirname(src))
+    save_checkpoint(src, 2)
+    symbols = len(make_dictionary(WORDS))
+    assert torch.load(part_path(src, 0), weights_only=False)["cfg"]["model"].dictionary_size == symbols
+
+    def export(*argv):
+        out = str(tmp_path / f"plain{len(argv)}" / "model.pt")
+        rc = reshard_checkpoint.main(["--input", src, "--output", out, "--to-fairseq", *argv])
+        err = capsys.readouterr().err.strip()
+        if rc:
+            return rc, err
+        return rc, torch.load(out, weights_only=False)["model"]["decoder.embed_tokens.weight"].size(0)
+
+    assert export() == (0, symbols)
+    right, short = tmp_path / "dict.txt", tmp_path / "short.txt"
+    make_dictionary(WORDS).save(str(right))
+    make_dictionary(WORDS - 1).save(str(short))
+    assert export("--dict", str(right)) == (0, symbols)
+    assert export("--dict", str(short)) == (1, f"error: the dictionary has {symbols - 1} symbols but {src} was "
+                                               f"trained with {symbols}: wrong dict.txt for this checkpoint")
+
+
 def test_cli_errors_are_one_line(tmp_path, capsys):
     path = str(tmp_path / "model.pt")
     save_checkpoint(path, 2)

@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from fairseq.data import data_utils
+from fairseq.data import Dictionary, data_utils
 
 from fairseq_megatron import USER_DIR
 from fairseq_megatron.checkpoint_resharding import export_to_fairseq, reshard
@@ -99,6 +99,7 @@ def test_train_writes_one_part_per_rank(trained):
         assert tuple(state["model"]["decoder.layers.0.fc2.weight"].shape) == (64, 256 // 2)
         assert state["optimizer_history"][-1]["num_updates"] == 4
         assert state["cfg"]["model"].padded_vocab_size == 512
+        assert state["cfg"]["model"].dictionary_size == len(Dictionary.load(os.path.join(trained["data"], "dict.txt")))
         # one model-parallel RNG stream per rank: seed + 2718 + rank
         assert state["extra_state"]["rng_tracker_states"]["model-parallel-rng"]["seed"] == 3 + 2718 + rank
     # the two parts hold different halves of the vocabulary
@@ -640,6 +641,31 @@ def test_missing_part_file_is_reported(trained):
     line = (f"error: model part file {broken / 'checkpoint_last-model_part-1.pt'} is missing: "
             f"{broken / 'checkpoint_last.pt'} was saved at model-parallel size 2")
     assert rc != 0 and f"[rank0]: {line}" in out and f"[rank1]: {line}" in out, out[-3000:]
+
+
+def test_a_dictionary_other_than_the_trained_one_is_one_error_line(trained, tmp_path):
+    """The data's dict.txt cut by 10 lines (502 symbols for a model trained
+    with 512): at size 2 it pads to the same 512 rows, so fairseq-eval-lm
+    evaluated and fine-tuning trained on without a word, every token looked
+    up in another symbol's row (stock fairseq's model fails to load:
+    "size mismatch"). Both now stop with one line on every rank."""
+    data = tmp_path / "bin"
+    shutil.copytree(trained["data"], data)
+    lines = (data / "dict.txt").read_text().splitlines(keepends=True)
+    (data / "dict.txt").write_text("".join(lines[:-10]))
+    assert len(Dictionary.load(str(data / "dict.txt"))) == 502
+    path = os.path.join(trained["ckpt"], "checkpoint_last.pt")
+    rc, out = fairseq("eval_lm", eval_args(str(data), path, 2), nproc=2, check=False)
+    line = "error: the dictionary has 502 symbols but the checkpoint's model was trained with 512: " \
+           "wrong dict.txt for this checkpoint"
+    assert rc != 0 and f"[rank0]: {line}" in out and f"[rank1]: {line}" in out, out[-3000:]
+    assert "Loss (base 2)" not in out
+
+    rc, out = fairseq("train", train_args(str(data), str(tmp_path / "finetune"), max_update=2)
+                      + ["--finetune-from-model", path], nproc=2, check=False)
+    line = f"error: the dictionary has 502 symbols but {path} was trained with 512: wrong dict.txt for this checkpoint"
+    assert rc != 0 and f"[rank0]: {line}" in out and f"[rank1]: {line}" in out, out[-3000:]
+    assert "num_updates" not in out
 
 
 def test_a_truncated_part_file_is_one_error_line_on_every_rank(trained, tmp_path):

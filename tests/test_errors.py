@@ -7,6 +7,7 @@ import torch
 
 from fairseq_megatron import parallel_state
 from fairseq_megatron.errors import UsageError
+from fairseq_megatron.models.model_parallel_transformer_lm import check_dictionary_size
 from tests.helpers import build_model, init_model_parallel, make_batch, make_dictionary, run_distributed
 
 
@@ -87,3 +88,37 @@ def test_cuda_graphs_need_the_compiled_layer_stack():
     with pytest.raises(UsageError, match="--cuda-graphs with --update-freq 2: a CUDA graph replay would overwrite"):
         build_model(1, cuda_graphs=True, compile_layers=True, update_freq=[2])
     build_model(1, cuda_graphs=True, compile_layers=True, update_freq=[1])  # the supported case: fine
+
+
+def test_a_dictionary_other_than_the_trained_one_is_refused():
+    """A checkpoint records its dictionary's size before padding (build_model
+    sets ``dictionary_size``); a model built from that config takes the same
+    dictionary, or one saved after padding (more symbols, all madeupwords),
+    and refuses a shorter or a longer one. Before the record, a shorter
+    dictionary was padded up to the checkpoint's rows without a word."""
+    model, _ = build_model(1)
+    trained_with = len(make_dictionary())
+    assert model.decoder.args.dictionary_size == trained_with  # a new model records its own
+    with pytest.raises(UsageError, match=re.escape(
+            f"the dictionary has {trained_with} symbols but the checkpoint's model was trained with "
+            f"{trained_with + 1}: wrong dict.txt for this checkpoint")):
+        build_model(1, dictionary_size=trained_with + 1)  # as fairseq-eval-lm builds from a checkpoint
+
+    def dictionary(*extra):
+        d = make_dictionary()
+        for symbol in extra:
+            d.add_symbol(symbol)
+        return d.symbols
+
+    trained = dictionary("one more")  # 65 symbols: padding adds 7
+    check_dictionary_size(trained, len(trained), len(trained), "x.pt")
+    check_dictionary_size(trained, len(trained), None, "x.pt")  # checkpoints from before the record
+    padded = dictionary("one more", *(f"madeupword{i:04d}" for i in range(7)))  # saved after padding
+    check_dictionary_size(padded, len(padded), len(trained), "x.pt")
+    with pytest.raises(UsageError, match=re.escape(
+            f"the dictionary has {len(trained) - 1} symbols but x.pt was trained with {len(trained)}: "
+            f"wrong dict.txt for this checkpoint")):
+        check_dictionary_size(trained[:-1], len(trained) - 1, len(trained), "x.pt")
+    longer = dictionary("one more", "another")
+    with pytest.raises(UsageError, match="wrong dict.txt"):
+        check_dictionary_size(longer, len(longer), len(trained), "x.pt")

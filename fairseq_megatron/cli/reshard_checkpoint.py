@@ -16,18 +16,39 @@ unpickled.
 
 import argparse
 import sys
+from typing import Optional
 
 from tqdm import tqdm
 
-from fairseq_megatron.checkpoint_resharding import PartFiles, export_to_fairseq, layer_groups, reshard
+from fairseq_megatron.checkpoint_resharding import (
+    PartFiles,
+    config_value,
+    export_to_fairseq,
+    layer_groups,
+    model_config,
+    reshard,
+)
 from fairseq_megatron.errors import UsageError
+from fairseq_megatron.models.model_parallel_transformer_lm import check_dictionary_size
 
 
-def dictionary_size(path: str) -> int:
-    """``len(fairseq.data.Dictionary.load(path))``: 4 special symbols plus one per line."""
+def export_vocabulary_size(parts: PartFiles, dict_path: Optional[str]) -> Optional[int]:
+    """The vocabulary rows to export for ``--dict dict_path``: its symbols
+    (fairseq's four special ones plus one per line), refused if other than
+    the dictionary the checkpoint records; without ``--dict`` the recorded
+    one (None, all rows, for checkpoints from before the record).
+
+    Raises:
+        UsageError: ``dict_path`` is not the checkpoint's dictionary.
+    """
     from fairseq.data import Dictionary
 
-    return len(Dictionary.load(path))
+    trained_with = config_value(model_config(parts.metadata), "dictionary_size")
+    if dict_path is None:
+        return trained_with
+    dictionary = Dictionary.load(dict_path)
+    check_dictionary_size(dictionary.symbols, len(dictionary), trained_with, parts.path)
+    return len(dictionary)
 
 
 def main(argv=None) -> int:
@@ -37,7 +58,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model-parallel-size", type=int, help="new model-parallel size")
     parser.add_argument("--to-fairseq", action="store_true",
                         help="write one checkpoint for fairseq's own transformer_lm (no --user-dir needed)")
-    parser.add_argument("--dict", help="with --to-fairseq: the data's dict.txt; the vocabulary is cut to its size")
+    parser.add_argument("--dict", help="with --to-fairseq: the data's dict.txt; the vocabulary is cut to its size "
+                             "(default: the size of the dictionary the checkpoint was trained with)")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip re-reading each output and comparing per-tensor checksums")
     parser.add_argument("--keep-optimizer", action="store_true",
@@ -49,8 +71,9 @@ def main(argv=None) -> int:
             raise UsageError("--keep-optimizer and --to-fairseq exclude each other: the export "
                              "is for evaluation and holds no training state")
         if args.to_fairseq:
-            vocab = dictionary_size(args.dict) if args.dict else None
-            print(export_to_fairseq(args.input, args.output, vocab_size=vocab, verify=args.verify))
+            parts = PartFiles(args.input)
+            vocab = export_vocabulary_size(parts, args.dict)
+            print(export_to_fairseq(args.input, args.output, vocab_size=vocab, verify=args.verify, parts=parts))
             return 0
         if args.model_parallel_size is None or args.model_parallel_size < 1:
             raise UsageError("--model-parallel-size N (N >= 1) is required unless --to-fairseq")

@@ -9,7 +9,7 @@ work unchanged. State-dict keys and per-rank shapes are those of fairseq's
 
 import contextlib
 import logging
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -36,6 +36,34 @@ from fairseq_megatron.registry import take_over_model, take_over_model_architect
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TARGET_POSITIONS = 1024
+
+
+def check_dictionary_size(symbols: Sequence[str], size: int, trained_with: Optional[int], checkpoint: str) -> None:
+    """Refuse a dictionary other than the one a checkpoint's model was trained with.
+
+    ``symbols`` is the dictionary's symbol list (fairseq's four special
+    symbols first; padding may follow), ``size`` its length before padding,
+    ``trained_with`` the length the checkpoint records (``dictionary_size``;
+    None for checkpoints from before the record, which are not checked),
+    ``checkpoint`` how the message names it. The same dictionary has that
+    many symbols, or more only by ``madeupwordNNNN`` padding symbols (a
+    dictionary saved after padding).
+
+    Padding to a recorded vocabulary size (see :func:`pad_dictionary`) would
+    take a shorter dictionary without a word, where fairseq's non-parallel
+    model failed to load it ("size mismatch"): every token would then be
+    looked up in rows learnt for other symbols.
+
+    Raises:
+        UsageError: the sizes differ.
+    """
+    if trained_with is None:
+        return
+    if size < trained_with or not all(s.startswith("madeupword") for s in symbols[trained_with:]):
+        raise UsageError(
+            f"the dictionary has {size} symbols but {checkpoint} was trained with {trained_with}: "
+            f"wrong dict.txt for this checkpoint"
+        )
 
 
 def pad_dictionary(dictionary, model_parallel_size: int, padded_vocab_size: Optional[int] = None) -> int:
@@ -184,7 +212,14 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
             args.max_target_positions = safe_getattr(args, "tokens_per_sample", DEFAULT_MAX_TARGET_POSITIONS)
 
         recorded = safe_getattr(args, "padded_vocab_size", None)
-        args.padded_vocab_size = pad_dictionary(task.source_dictionary, group_size, recorded)
+        # A checkpoint's config (fairseq-eval-lm, -generate, the hub) records the
+        # dictionary its model was trained with; a new model records its own.
+        dictionary = task.source_dictionary
+        trained_with = safe_getattr(args, "dictionary_size", None)
+        check_dictionary_size(dictionary.symbols, len(dictionary), trained_with, "the checkpoint's model")
+        if trained_with is None:
+            args.dictionary_size = len(dictionary)
+        args.padded_vocab_size = pad_dictionary(dictionary, group_size, recorded)
         if pad_dictionary(task.target_dictionary, group_size, args.padded_vocab_size) != args.padded_vocab_size:
             raise ValueError("source and target dictionaries differ in size")
 

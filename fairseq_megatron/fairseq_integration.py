@@ -36,7 +36,9 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    ``broadcast_object``, which sends a loaded checkpoint to the other ranks
    of a data-parallel group (it failed for any training resumed with two or
    more groups). **Only load checkpoints you trust** (your own, or the
-   published Megatron-11b files): unpickling can run code.
+   published Megatron-11b files): unpickling can run code. A file that is
+   not a checkpoint fails with one error line naming it (fairseq: torch's
+   unpickling traceback).
 5. :func:`_shard_by_data_parallel_rank` -- ``fairseq-eval-lm`` and
    ``fairseq-generate`` shard the data by global rank, so the ranks of one
    model-parallel group would see different batches. With model parallelism
@@ -403,12 +405,25 @@ class _TorchWithTrustedLoad(_TorchStandIn):
     """``torch`` inside ``fairseq.checkpoint_utils`` and
     ``fairseq.distributed.utils`` (which unpickles a checkpoint state sent
     from another rank): ``torch.load`` defaults to ``weights_only=False``
-    there."""
+    there. A file that cannot be read (not a torch file, cut short in the
+    legacy format) raises CheckpointError naming it, which fairseq's tools
+    print as one line; fairseq let torch's unpickling error through, a
+    traceback that did not name the file."""
 
     @staticmethod
     def load(f, *args, **kwargs):
+        from fairseq_megatron.checkpoint_layout import CheckpointError
+
         kwargs.setdefault("weights_only", False)
-        return torch.load(f, *args, **kwargs)
+        name = getattr(f, "name", f if isinstance(f, (str, os.PathLike)) else None)
+        try:
+            return torch.load(f, *args, **kwargs)
+        except MemoryError:
+            raise
+        except Exception as e:
+            if name is None:  # a buffer sent by another rank: not the user's file
+                raise
+            raise CheckpointError(f"cannot read {name}: {type(e).__name__}: {e}") from e
 
 
 def _trusted_checkpoint_loading() -> None:

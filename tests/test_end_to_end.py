@@ -698,6 +698,24 @@ def test_a_truncated_part_file_is_one_error_line_on_every_rank(trained, tmp_path
     assert "num_updates" not in out and part.stat().st_size == len(data) // 2
 
 
+def test_a_file_that_is_not_a_checkpoint_is_one_error_line(trained, tmp_path):
+    """A checkpoint name holding something else (here a text file) in
+    fairseq-eval-lm and in fairseq-train resuming, both at size 1 in one
+    process: fairseq let torch's unpickling error through as a traceback
+    that did not name the file; now one line names it, and the file is
+    left as it was."""
+    junk = tmp_path / "checkpoint_last.pt"
+    junk.write_text("not a checkpoint\n")
+    rc, out = fairseq("eval_lm", eval_args(trained["data"], str(junk), 1), check=False)
+    last = out.rstrip().splitlines()[-1]
+    assert rc == 1 and last.startswith(f"error: cannot read {junk}: UnpicklingError: ") \
+        and "Traceback" not in out, out[-3000:]
+    rc, out = train_without_dropout(trained["data"], tmp_path, 2, 1, check=False)
+    assert rc == 1 and out.rstrip().splitlines()[-1].startswith(f"error: cannot read {junk}: ") \
+        and "Traceback" not in out and "num_updates" not in out, out[-3000:]
+    assert junk.read_text() == "not a checkpoint\n"
+
+
 def test_one_part_file_as_path_is_refused(trained):
     """--path naming a part file instead of the checkpoint (the slip users
     make with the published model) is refused with the name to pass."""

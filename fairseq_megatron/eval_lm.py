@@ -24,12 +24,18 @@ sharding and any number of workers give the single-process batches;
 :func:`eval_lm_dataloader` uses it; :func:`eval_lm_over_data_parallel_groups`
 sums the log-probabilities and token counts of all groups before the loss is
 printed.
+
+Two settings that left nothing to score now stop with one error line:
+blocks all longer than the model's positions (fairseq skips such samples
+with a warning, and then printed "Loss (base 2): 0.0000, Perplexity: 1.00"),
+and a ``--context-window`` as long as the blocks (a ZeroDivisionError in
+fairseq's block dataset); see :func:`with_context_window_checked`.
 """
 
 import functools
 import logging
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -38,6 +44,7 @@ from fairseq.data import FairseqDataset
 from fairseq.sequence_scorer import SequenceScorer
 
 from fairseq_megatron import parallel_state
+from fairseq_megatron.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +153,30 @@ class ContextWindowDataset(FairseqDataset):
 # eval_lm_dataloader and read by eval_lm_over_data_parallel_groups (both run
 # once per fairseq-eval-lm process, in that order).
 _sharded_over = None
+
+
+def with_context_window_checked(original_main, module=None):
+    """Wrap fairseq-eval-lm's ``main(cfg)``: refuse a ``--context-window`` that
+    leaves no token to score. fairseq-eval-lm makes blocks of
+    ``--tokens-per-sample`` minus the window, and with none left failed in
+    its block dataset with a ZeroDivisionError traceback.
+
+    Raises:
+        UsageError: ``0 < context_window >= tokens_per_sample``.
+    """
+
+    @functools.wraps(original_main)
+    def main(cfg, *args, **kwargs):
+        window = getattr(getattr(cfg, "eval_lm", cfg), "context_window", 0) or 0
+        block = getattr(getattr(cfg, "task", cfg), "tokens_per_sample", None)
+        if window > 0 and block is not None and window >= block:
+            raise UsageError(
+                f"--context-window {window} leaves no token to score in blocks of --tokens-per-sample {block}: "
+                f"each block scores tokens-per-sample minus context-window tokens"
+            )
+        return original_main(cfg, *args, **kwargs)
+
+    return main
 
 
 def _data_parallel_group_of(num_shards: int, shard_id: int):
@@ -261,14 +292,17 @@ def eval_lm_over_data_parallel_groups(original_eval_lm):
     float32, this tally in float64); if any rank's check fails or saw a
     non-finite score, every rank returns fairseq's own shard result with a
     warning instead.
+
+    Raises:
+        UsageError: no token was scored (in all shards). fairseq skips the
+            samples longer than the model's positions with a warning, and
+            with all of them skipped printed loss 0.0000 and perplexity 1.00.
     """
 
     @functools.wraps(original_eval_lm)
     def eval_lm(models, source_dictionary, batch_iterator, *args, **kwargs):
         global _active_tally, _sharded_over
         group, _sharded_over = _sharded_over, None
-        if group is None:
-            return original_eval_lm(models, source_dictionary, batch_iterator, *args, **kwargs)
         tally = _ScoreTally(
             source_dictionary,  # eval_lm finds the BPE continuations in it
             kwargs.get("post_process"),
@@ -280,12 +314,21 @@ def eval_lm_over_data_parallel_groups(original_eval_lm):
             results = original_eval_lm(models, source_dictionary, batch_iterator, *args, **kwargs)
         finally:
             _active_tally = None
-        return _sum_over_group(tally, results, group)
+        count = tally.count
+        if group is not None:
+            results, count = _sum_over_group(tally, results, group)
+        if count == 0:
+            raise UsageError(
+                "no token was scored: the subset is empty, or fairseq skipped every sample as longer than "
+                f"the model's {models[0].max_positions()} positions (lower --tokens-per-sample)"
+            )
+        return results
 
     return eval_lm
 
 
-def _sum_over_group(tally: _ScoreTally, results: Dict, group) -> Dict:
+def _sum_over_group(tally: _ScoreTally, results: Dict, group) -> Tuple[Dict, int]:
+    """``(results over the group, tokens scored in all of it)``."""
     own_loss = float(results["loss"])
     tally_loss = -tally.log_prob_sum.item() / tally.count / math.log(2) if tally.count else 0.0
     mismatch = abs(tally_loss - own_loss) > 1e-4 * max(abs(own_loss), 1e-8)
@@ -301,7 +344,7 @@ def _sum_over_group(tally: _ScoreTally, results: Dict, group) -> Dict:
         logger.warning(
             "eval-lm: could not sum the scores of the %d data-parallel groups (non-finite scores, or a "
             "count that differs from fairseq's); the loss below is this group's shard only", groups)
-        return results
+        return results, int(total_count)
     loss = -total_log_prob / total_count / math.log(2) if total_count else 0.0
     logger.info("eval-lm: %d data-parallel groups scored %s tokens together", groups, f"{int(total_count):,}")
-    return {"loss": loss, "perplexity": 2 ** loss}
+    return {"loss": loss, "perplexity": 2 ** loss}, int(total_count)

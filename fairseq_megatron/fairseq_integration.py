@@ -46,7 +46,9 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    once, by a whole group. fairseq-eval-lm's ``--context-window`` dataset
    crashed on uneven shards and gave wrong contexts once batches were split
    over shards or workers, and each group printed its own shard's
-   perplexity; :mod:`fairseq_megatron.eval_lm` fixes the three.
+   perplexity; :mod:`fairseq_megatron.eval_lm` fixes the three, and
+   refuses settings that leave no token to score (fairseq printed
+   perplexity 1.00, or failed with ZeroDivisionError).
 6. :func:`_model_parallel_generate` -- ``fairseq-generate`` never started
    torch.distributed, yet sharded its batches by the world size: one
    process generated 1 / world size of the subset (at fairseq's default
@@ -466,6 +468,7 @@ def _shard_by_data_parallel_rank() -> None:
     LanguageModelingTask.eval_lm_dataloader = eval_lm.eval_lm_dataloader
     _replace_in_cli_module("fairseq_cli.eval_lm", "SequenceScorer", lambda _: eval_lm.TallyingSequenceScorer)
     _replace_in_cli_module("fairseq_cli.eval_lm", "eval_lm", eval_lm.eval_lm_over_data_parallel_groups)
+    _patch_cli_main("fairseq_cli.eval_lm", eval_lm.with_context_window_checked)
 
     def wrap(cls, name):
         original = getattr(cls, name)

@@ -716,6 +716,32 @@ def test_a_file_that_is_not_a_checkpoint_is_one_error_line(trained, tmp_path):
     assert junk.read_text() == "not a checkpoint\n"
 
 
+def test_eval_lm_that_would_score_no_token_is_one_error_line(trained):
+    """Blocks longer than the model's 32 positions: fairseq-eval-lm skips
+    such samples with a warning, and with all of them skipped printed
+    "Loss (base 2): 0.0000, Perplexity: 1.00". A context window as long as
+    the blocks left no token to score: ZeroDivisionError in fairseq's block
+    dataset. Both now stop with one line on every rank."""
+    path = os.path.join(trained["ckpt"], "checkpoint_last.pt")
+
+    def run(tokens_per_sample, context_window):
+        args = eval_args(trained["data"], path, 2)
+        args[args.index("--tokens-per-sample") + 1] = str(tokens_per_sample)
+        args[args.index("--context-window") + 1] = str(context_window)
+        rc, out = fairseq("eval_lm", args, nproc=2, check=False)
+        assert rc != 0 and "Loss (base 2)" not in out and "ZeroDivisionError" not in out, out[-3000:]
+        return out
+
+    out = run(64, 0)
+    line = ("error: no token was scored: the subset is empty, or fairseq skipped every sample as longer than "
+            "the model's 32 positions (lower --tokens-per-sample)")
+    assert f"[rank0]: {line}" in out and f"[rank1]: {line}" in out, out[-3000:]
+    out = run(32, 32)
+    line = ("error: --context-window 32 leaves no token to score in blocks of --tokens-per-sample 32: each "
+            "block scores tokens-per-sample minus context-window tokens")
+    assert f"[rank0]: {line}" in out and f"[rank1]: {line}" in out, out[-3000:]
+
+
 def test_one_part_file_as_path_is_refused(trained):
     """--path naming a part file instead of the checkpoint (the slip users
     make with the published model) is refused with the name to pass."""

@@ -162,18 +162,23 @@ def _sum_worker(rank, world_size, log_prob_sums, counts, loss_offsets):
     tally.log_prob_sum += log_prob_sums[rank]
     tally.count = counts[rank]
     own = -log_prob_sums[rank] / counts[rank] / math.log(2) + loss_offsets[rank]
-    return eval_lm._sum_over_group(tally, {"loss": own, "perplexity": 2 ** own}, None)["loss"]
+    results, tokens = eval_lm._sum_over_group(tally, {"loss": own, "perplexity": 2 ** own}, None)
+    return results["loss"], tokens
 
 
 def test_groups_are_summed_or_left_alone(tmp_path):
     """Two ranks (two data-parallel groups of one): the loss is that of all
     tokens together; if one rank's tally does not reproduce its own loss,
-    every rank keeps its own. Exact arithmetic up to float64 rounding."""
+    every rank keeps its own. Either way the tokens counted are those of
+    all groups (none in all: fairseq-eval-lm then stops). Exact arithmetic
+    up to float64 rounding."""
     import math
 
     sums, counts = [-100.0, -50.0], [40, 10]
     total = -(sums[0] + sums[1]) / (counts[0] + counts[1]) / math.log(2)
-    assert run_distributed(_sum_worker, 2, tmp_path / "a", sums, counts, [0.0, 0.0]) == pytest.approx([total] * 2)
+    summed = run_distributed(_sum_worker, 2, tmp_path / "a", sums, counts, [0.0, 0.0])
+    assert [loss for loss, _ in summed] == pytest.approx([total] * 2)
     own = [-s / c / math.log(2) for s, c in zip(sums, counts)]
     mismatched = run_distributed(_sum_worker, 2, tmp_path / "b", sums, counts, [0.0, 0.01])
-    assert mismatched == pytest.approx([own[0], own[1] + 0.01])
+    assert [loss for loss, _ in mismatched] == pytest.approx([own[0], own[1] + 0.01])
+    assert [tokens for _, tokens in summed + mismatched] == [50] * 4

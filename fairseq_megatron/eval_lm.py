@@ -29,9 +29,13 @@ Two settings that left nothing to score now stop with one error line:
 blocks all longer than the model's positions (fairseq skips such samples
 with a warning, and then printed "Loss (base 2): 0.0000, Perplexity: 1.00"),
 and a ``--context-window`` as long as the blocks (a ZeroDivisionError in
-fairseq's block dataset); see :func:`with_context_window_checked`.
+fairseq's block dataset), and so does a sample longer than the model's
+positions unless ``--skip-invalid-size-inputs-valid-test`` is given
+(fairseq skipped them with a warning and printed the loss of the others);
+see :func:`with_settings_checked`.
 """
 
+import contextvars
 import functools
 import logging
 import math
@@ -155,14 +159,27 @@ class ContextWindowDataset(FairseqDataset):
 _sharded_over = None
 
 
-def with_context_window_checked(original_main, module=None):
-    """Wrap fairseq-eval-lm's ``main(cfg)``: refuse a ``--context-window`` that
-    leaves no token to score. fairseq-eval-lm makes blocks of
-    ``--tokens-per-sample`` minus the window, and with none left failed in
-    its block dataset with a ZeroDivisionError traceback.
+# Whether eval_lm_dataloader skips the samples longer than the model's
+# positions: fairseq-eval-lm's --skip-invalid-size-inputs-valid-test, set by
+# with_settings_checked (fairseq's own dataloader always skipped them).
+_skip_invalid_size_inputs = contextvars.ContextVar("skip_invalid_size_inputs", default=True)
+
+
+def with_settings_checked(original_main, module=None):
+    """Wrap fairseq-eval-lm's ``main(cfg)`` so that every token is scored, or
+    the run stops with one line.
+
+    fairseq-eval-lm skipped the samples longer than the model's positions
+    with a warning, whatever ``--skip-invalid-size-inputs-valid-test`` said,
+    and printed the loss of the others (fairseq-validate refuses them unless
+    given that flag; so does this wrapper now). A ``--context-window`` as
+    long as ``--tokens-per-sample`` left blocks of no token, and failed in
+    fairseq's block dataset with ZeroDivisionError.
 
     Raises:
-        UsageError: ``0 < context_window >= tokens_per_sample``.
+        UsageError: ``0 < context_window >= tokens_per_sample``; a sample too
+            long, without the flag (from fairseq's ``filter_indices_by_size``,
+            as fairseq_integration makes it raise).
     """
 
     @functools.wraps(original_main)
@@ -174,7 +191,12 @@ def with_context_window_checked(original_main, module=None):
                 f"--context-window {window} leaves no token to score in blocks of --tokens-per-sample {block}: "
                 f"each block scores tokens-per-sample minus context-window tokens"
             )
-        return original_main(cfg, *args, **kwargs)
+        skip = bool(getattr(getattr(cfg, "dataset", cfg), "skip_invalid_size_inputs_valid_test", False))
+        token = _skip_invalid_size_inputs.set(skip)
+        try:
+            return original_main(cfg, *args, **kwargs)
+        finally:
+            _skip_invalid_size_inputs.reset(token)
 
     return main
 
@@ -227,7 +249,7 @@ def eval_lm_dataloader(
         max_tokens=max_tokens,
         max_sentences=batch_size,
         max_positions=max_positions,
-        ignore_invalid_inputs=True,
+        ignore_invalid_inputs=_skip_invalid_size_inputs.get(),
         num_shards=num_shards,
         shard_id=shard_id,
         num_workers=num_workers,

@@ -167,7 +167,11 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    fairseq-generate silently skipped up to 7 samples of every subset (with
    ``--batch-size 4``, 4 of the test model's 44 validation blocks; with
    ``--batch-size 6``, 2). There it is now kept. Training batches are left
-   as fairseq makes them (fixed shapes for compiled steps).
+   as fairseq makes them (fixed shapes for compiled steps). Samples longer
+   than the model's positions are refused by evaluations without
+   ``--skip-invalid-size-inputs-valid-test`` in one line (fairseq: a bare
+   Exception's traceback), fairseq-eval-lm included, which skipped them
+   whatever the flag said and printed the loss of the others.
 20. :func:`_resuming_at_another_data_parallel_size` -- a checkpoint records
    how far its epoch got as the number of batches each data-parallel group
    had taken. Resumed with another number of groups (more GPUs, or a
@@ -468,7 +472,7 @@ def _shard_by_data_parallel_rank() -> None:
     LanguageModelingTask.eval_lm_dataloader = eval_lm.eval_lm_dataloader
     _replace_in_cli_module("fairseq_cli.eval_lm", "SequenceScorer", lambda _: eval_lm.TallyingSequenceScorer)
     _replace_in_cli_module("fairseq_cli.eval_lm", "eval_lm", eval_lm.eval_lm_over_data_parallel_groups)
-    _patch_cli_main("fairseq_cli.eval_lm", eval_lm.with_context_window_checked)
+    _patch_cli_main("fairseq_cli.eval_lm", eval_lm.with_settings_checked)
 
     def wrap(cls, name):
         original = getattr(cls, name)
@@ -1371,6 +1375,9 @@ def _evaluating(function):
 def _evaluation_scores_every_sample() -> None:
     from fairseq import trainer
     from fairseq.data import data_utils
+    from fairseq.tasks.fairseq_task import FairseqTask
+
+    from fairseq_megatron.errors import UsageError
 
     original = data_utils.batch_by_size
 
@@ -1395,6 +1402,29 @@ def _evaluation_scores_every_sample() -> None:
 
     data_utils.batch_by_size = batch_by_size
     trainer.Trainer.get_valid_iterator = _evaluating(trainer.Trainer.get_valid_iterator)
+
+    def filter_indices_by_size(self, indices, dataset, max_positions=None, ignore_invalid_inputs=False):
+        """fairseq's ``FairseqTask.filter_indices_by_size``, whose refusal of
+        samples longer than the model's positions (evaluations without
+        ``--skip-invalid-size-inputs-valid-test``) is one line: fairseq
+        raised a bare Exception, a traceback in every tool.
+
+        Raises:
+            UsageError: a sample is too long and ``ignore_invalid_inputs`` is false.
+        """
+        if ignore_invalid_inputs:
+            return original_filter(self, indices, dataset, max_positions, ignore_invalid_inputs)
+        kept, too_long = dataset.filter_indices_by_size(indices, max_positions)
+        if len(too_long) > 0:
+            raise UsageError(
+                f"{len(too_long):,} samples are longer than the model's positions (sample #{too_long[0]}: "
+                f"{dataset.size(too_long[0])}, max_positions={max_positions}): lower --tokens-per-sample, "
+                f"or skip them with --skip-invalid-size-inputs-valid-test"
+            )
+        return kept
+
+    original_filter = FairseqTask.filter_indices_by_size
+    FairseqTask.filter_indices_by_size = functools.wraps(original_filter)(filter_indices_by_size)
     for name in ("fairseq_cli.validate", "fairseq_cli.generate"):
         _patch_cli_main(name, lambda main, module: _evaluating(main))
 

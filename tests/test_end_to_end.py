@@ -716,30 +716,35 @@ def test_a_file_that_is_not_a_checkpoint_is_one_error_line(trained, tmp_path):
     assert junk.read_text() == "not a checkpoint\n"
 
 
-def test_eval_lm_that_would_score_no_token_is_one_error_line(trained):
-    """Blocks longer than the model's 32 positions: fairseq-eval-lm skips
-    such samples with a warning, and with all of them skipped printed
-    "Loss (base 2): 0.0000, Perplexity: 1.00". A context window as long as
+def test_eval_lm_scores_every_token_or_stops_with_one_line(trained):
+    """Blocks longer than the model's 32 positions: fairseq-eval-lm skipped
+    such samples with a warning whatever --skip-invalid-size-inputs-valid-test
+    said, and printed the loss of the others ("Loss (base 2): 0.0000,
+    Perplexity: 1.00" with all of them skipped). A context window as long as
     the blocks left no token to score: ZeroDivisionError in fairseq's block
-    dataset. Both now stop with one line on every rank."""
+    dataset. Each now stops with one line on every rank: too-long samples
+    unless the flag asks to skip them, and a run in which nothing was scored."""
     path = os.path.join(trained["ckpt"], "checkpoint_last.pt")
 
-    def run(tokens_per_sample, context_window):
-        args = eval_args(trained["data"], path, 2)
+    def run(tokens_per_sample, context_window, *extra):
+        args = eval_args(trained["data"], path, 2) + list(extra)
         args[args.index("--tokens-per-sample") + 1] = str(tokens_per_sample)
         args[args.index("--context-window") + 1] = str(context_window)
         rc, out = fairseq("eval_lm", args, nproc=2, check=False)
         assert rc != 0 and "Loss (base 2)" not in out and "ZeroDivisionError" not in out, out[-3000:]
-        return out
+        lines = {rank: re.findall(rf"^\[rank{rank}\]: (error: .*)$", out, re.M) for rank in (0, 1)}
+        assert len(lines[0]) == 1 and lines[0] == lines[1], out[-3000:]
+        return lines[0][0]
 
-    out = run(64, 0)
-    line = ("error: no token was scored: the subset is empty, or fairseq skipped every sample as longer than "
-            "the model's 32 positions (lower --tokens-per-sample)")
-    assert f"[rank0]: {line}" in out and f"[rank1]: {line}" in out, out[-3000:]
-    out = run(32, 32)
-    line = ("error: --context-window 32 leaves no token to score in blocks of --tokens-per-sample 32: each "
-            "block scores tokens-per-sample minus context-window tokens")
-    assert f"[rank0]: {line}" in out and f"[rank1]: {line}" in out, out[-3000:]
+    assert re.fullmatch(r"error: [0-9,]+ samples are longer than the model's positions \(sample #\d+: \d+, "
+                        r"max_positions=32\): lower --tokens-per-sample, or skip them with "
+                        r"--skip-invalid-size-inputs-valid-test", run(64, 0))
+    assert run(64, 0, "--skip-invalid-size-inputs-valid-test") == (
+        "error: no token was scored: the subset is empty, or fairseq skipped every sample as longer than "
+        "the model's 32 positions (lower --tokens-per-sample)")
+    assert run(32, 32) == (
+        "error: --context-window 32 leaves no token to score in blocks of --tokens-per-sample 32: each "
+        "block scores tokens-per-sample minus context-window tokens")
 
 
 def test_one_part_file_as_path_is_refused(trained):

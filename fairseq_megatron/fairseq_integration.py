@@ -55,9 +55,10 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    world size, the number of visible GPUs), torchrun's processes each all of
    it. It now launches as fairseq-eval-lm does, at any model-parallel
    size; only model-parallel rank 0 prints, and the output of several
-   data-parallel groups is printed once, in one process's order, with one
-   score line (:mod:`fairseq_megatron.generate`; before, the groups wrote
-   over each other's ``--results-path`` file).
+   data-parallel groups is printed once, in one process's order, as each
+   round of batches completes, with one score line
+   (:mod:`fairseq_megatron.generate`; before, the groups wrote over each
+   other's ``--results-path`` file).
    fairseq-interactive under torchrun read standard input in every process,
    so the ranks split the lines between them and hung in their first
    collective; now rank 0 reads and sends each buffer of lines to all ranks,
@@ -547,10 +548,11 @@ def _model_parallel_generate() -> None:
     data sharded over the data-parallel groups. Every rank of a group
     computes the same hypotheses; model-parallel rank 0 prints them (or
     writes ``--results-path``), the others write to /dev/null. With two or
-    more groups, :mod:`fairseq_megatron.generate` collects their output and
-    rank 0 prints it once, in the order of a run in one process, with one
-    score line; a ``--results-path`` file is always written whole, under a
-    temporary name first. fairseq-interactive already starts torch.distributed; it
+    more groups, :mod:`fairseq_megatron.generate` gathers their output
+    round by round of batches, and rank 0 prints it once, as it comes, in
+    the order of a run in one process, with one score line; a
+    ``--results-path`` file is always written whole, under a temporary name
+    first. fairseq-interactive already starts torch.distributed; it
     only gets the printing rule.
     """
     import contextlib

@@ -22,22 +22,24 @@ blocks of 64 tokens, ``--batch-size 16``):
 ``fairseq_integration`` step 6 now launches fairseq-generate as fairseq
 launches fairseq-eval-lm (one process per rank of the world size; 1 and 2
 above), and :func:`generate_over_data_parallel_groups` makes the groups'
-output one (3): each group's lines are collected batch by batch, and global
-rank 0 prints them (or writes them under a temporary name, then renames)
-interleaved as the batches were dealt out, which is the order of a run in
-one process, followed by one score line computed from the statistics of all
+output one (3): each group's lines are cut where its batches begin, and
+after every round of batches (one per group) global rank 0 prints that
+round's (or writes them to a temporary file, renamed when complete) in the
+order the batches were dealt out, which is the order of a run in one
+process; at the end, one score line computed from the statistics of all
 groups (:func:`merge_scorer_statistics`). :class:`GenerationTimer` and
 :class:`ShardScorer` fix 4. ``--results-path`` goes through the same
-collection in one process too: fairseq emptied the file before it loaded
-the model and wrote it line by line, so a failed run left an empty or
-partial file in place of the last run's.
+writer in one process too: fairseq emptied the file before it loaded the
+model and wrote it line by line, so a failed run left an empty or partial
+file in place of the last run's.
 """
 
+import contextlib
 import contextvars
 import logging
 import os
 import sys
-from typing import Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional, TextIO
 
 import torch.distributed as dist
 from fairseq.logging.meters import StopwatchMeter
@@ -53,36 +55,82 @@ logger = logging.getLogger(__name__)
 class BatchwiseOutput:
     """The text fairseq-generate prints for one shard, cut where each batch begins.
 
-    A write-only text file for ``fairseq_cli.generate._main``:
-    ``pieces[0]`` holds what it printed before its first batch,
-    ``pieces[1 + i]`` what it printed for batch i of this shard (nothing for
-    the empty batches that pad a short shard), and the last piece what it
-    printed after its last batch (the score line). :meth:`batches` marks the
-    cuts; ``sentences`` counts the samples of the non-empty batches.
+    A write-only text file for ``fairseq_cli.generate._main``. Iterating
+    through :meth:`batches` cuts the text: what was printed before the first
+    batch, then what was printed for each batch of this shard (nothing for
+    the empty batches that pad a short shard), each handed to
+    ``deliver(text)`` once complete, in that order. A shard without batches
+    delivers only the first piece, when its iteration ends. :meth:`rest`
+    is what was printed since the last cut (the closing and score lines).
+    ``sentences`` counts the samples of the non-empty batches.
     """
 
-    def __init__(self):
-        self.pieces: List[List[str]] = [[]]
+    def __init__(self, deliver: Optional[Callable[[str], None]] = None):
+        self.deliver = deliver
         self.sentences = 0
+        self._piece: List[str] = []
 
     def write(self, text: str) -> int:
-        self.pieces[-1].append(text)
+        self._piece.append(text)
         return len(text)
 
     def flush(self) -> None:
         pass
 
+    def rest(self) -> str:
+        """The text since the last cut, which starts a new piece."""
+        text, self._piece = "".join(self._piece), []
+        return text
+
+    def _cut(self) -> None:
+        text = self.rest()
+        if self.deliver is not None:
+            self.deliver(text)
+
     def batches(self, iterator: Iterable) -> Iterable:
-        """``iterator``'s batches, starting a piece before each and after the last."""
+        """``iterator``'s batches, cutting before each and after the last."""
         for sample in iterator:
-            self.pieces.append([])
+            self._cut()
             if "net_input" in sample:
                 self.sentences += len(sample["id"])
             yield sample
-        self.pieces.append([])
+        self._cut()
 
-    def texts(self) -> List[str]:
-        return ["".join(piece) for piece in self.pieces]
+
+class RoundWriter:
+    """Writes the pieces of all shards in the order of one process, round by round.
+
+    Every printing rank (model-parallel rank 0 of each data-parallel group)
+    passes its :class:`BatchwiseOutput` pieces to :meth:`piece`. The first
+    is what fairseq printed before its batches: shard 0's is written. Each
+    later call is one round: batch i of every shard, gathered over the
+    data-parallel ``group`` (None: one shard) and written in shard order,
+    g = 0 .. D - 1, which is the order of batch i * D + g in one process
+    (fairseq's ``ShardedIterator`` deals batch k to shard k mod D and pads
+    the short shards with empty batches, so every shard delivers as many
+    pieces). ``out`` is where global rank 0 writes, None on the other ranks.
+    """
+
+    def __init__(self, out: Optional[TextIO], group=None):
+        self.out = out
+        self.group = group
+        self.rounds = -1  # the first piece is no round
+
+    def piece(self, text: str) -> None:
+        self.rounds += 1
+        if self.rounds == 0:
+            self._write(text)
+            return
+        texts = [text]
+        if self.group is not None:
+            texts = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(texts, text, group=self.group)
+        self._write("".join(texts))
+
+    def _write(self, text: str) -> None:
+        if self.out is not None and text:
+            self.out.write(text)
+            self.out.flush()
 
 
 class _NoSeconds(float):
@@ -188,94 +236,118 @@ def merge_scorer_statistics(scorer, statistics: List[Optional[list]]) -> bool:
 
 
 def generate_over_data_parallel_groups(original_main, cfg):
-    """Run fairseq-generate's ``main(cfg)`` on this rank's shard, then print
-    the output of all data-parallel groups once, from global rank 0.
+    """Run fairseq-generate's ``main(cfg)`` on this rank's shard, printing the
+    output of all data-parallel groups once, from global rank 0.
 
-    Every rank collects its output in a :class:`BatchwiseOutput` (fairseq's
-    ``main`` runs with ``--results-path`` unset, so it opens no file); the
-    pieces of each group's model-parallel rank 0 and every group's scorer
-    statistics are gathered over the data-parallel group. Shard g of D holds
-    batches g, g + D, g + 2D, ... (fairseq's ``ShardedIterator``, padded
-    with empty batches to equal length), so batch i of shard g is printed
-    at position i * D + g. Rank 0 then prints what shard 0 printed before
-    its first batch, the batches, and shard 0's closing lines with the score
-    line recomputed over all shards (if the scorer's statistics are unknown,
-    each shard's score line, marked as such). With ``--results-path`` the
-    text goes to ``generate-<subset>.txt`` through a temporary file that is
-    renamed when complete, also from one process or one group (fairseq
-    truncated the file first, then wrote line by line: a run that failed
-    left a partial file, or an empty one in place of the last run's).
+    Every rank's output goes to a :class:`BatchwiseOutput` (fairseq's
+    ``main`` runs with ``--results-path`` unset, so it opens no file); on
+    model-parallel rank 0 of each group its pieces go to a
+    :class:`RoundWriter`, which gathers each round of batches over the
+    data-parallel group while generation goes on, and global rank 0 writes
+    them in the order of one process. At the end the closing lines and
+    scorer statistics of all groups are gathered: rank 0 writes shard 0's
+    closing lines with the score line recomputed over all shards (if the
+    scorer's statistics are unknown, each shard's score line, marked as
+    such). With ``--results-path`` the text goes to ``generate-<subset>.txt``
+    through a temporary file that is renamed when complete and removed if
+    the run fails, also from one process or one group (fairseq truncated
+    the file first, then wrote line by line: a run that failed left a
+    partial file, or an empty one in place of the last run's).
 
-    Returns rank 0's scorer (merged) on every rank of model-parallel rank 0's
-    group; the others return their own shard's scorer, as fairseq's ``main``.
+    Returns rank 0's scorer (merged) on model-parallel rank 0 of every
+    group; the other ranks return their own shard's scorer, as fairseq's
+    ``main``.
     """
-    output = BatchwiseOutput()
-    results_path = cfg.common_eval.results_path
-    cfg.common_eval.results_path = None
-    token = collecting.set(output)
-    try:
-        scorer = original_main(cfg)
-        scorer = scorer.scorer if isinstance(scorer, ShardScorer) else scorer
-    finally:
-        collecting.reset(token)
-        cfg.common_eval.results_path = results_path
-
     distributed = dist.is_initialized()
     printing = not distributed or parallel_state.get_tensor_model_parallel_rank() == 0
-    mine = (output.texts() if printing else None, scorer_statistics(scorer), output.sentences)
     shards = parallel_state.get_data_parallel_world_size() if distributed else 1
-    gathered = [mine]
-    if shards > 1:
-        gathered = [None] * shards
-        dist.all_gather_object(gathered, mine, group=parallel_state.get_data_parallel_group())
-    if not printing:
-        return scorer
-    merged = merge_scorer_statistics(scorer, [statistics for _, statistics, _ in gathered])
-    if not distributed or dist.get_rank() == 0:
-        text = _interleaved([texts for texts, _, _ in gathered], cfg, scorer if merged else None)
-        _write(text, results_path, cfg.dataset.gen_subset)
-        if shards > 1:
-            sentences = sum(count for _, _, count in gathered)
-            logger.info("generate: %d data-parallel groups translated %s sentences together", shards,
-                        f"{sentences:,}")
+    group = parallel_state.get_data_parallel_group() if shards > 1 else None
+    results_path = cfg.common_eval.results_path
+    writing = not distributed or dist.get_rank() == 0
+    with _ResultsFile(results_path, cfg.dataset.gen_subset) if writing else contextlib.nullcontext() as out:
+        writer = RoundWriter(out, group) if printing else None
+        output = BatchwiseOutput(writer.piece if writer is not None else None)
+        cfg.common_eval.results_path = None
+        token = collecting.set(output)
+        try:
+            scorer = original_main(cfg)
+            scorer = scorer.scorer if isinstance(scorer, ShardScorer) else scorer
+        finally:
+            collecting.reset(token)
+            cfg.common_eval.results_path = results_path
+        if not printing:
+            return scorer
+        mine = (output.rest(), scorer_statistics(scorer), output.sentences)
+        gathered = [mine]
+        if group is not None:
+            gathered = [None] * shards
+            dist.all_gather_object(gathered, mine, group=group)
+        merged = merge_scorer_statistics(scorer, [statistics for _, statistics, _ in gathered])
+        if out is not None:
+            out.write(_closing_text([closing for closing, _, _ in gathered], cfg, scorer if merged else None))
+            out.flush()
+            if shards > 1:
+                sentences = sum(count for _, _, count in gathered)
+                logger.info("generate: %d data-parallel groups translated %s sentences together", shards,
+                            f"{sentences:,}")
     return scorer
 
 
-def _interleaved(shard_texts: List[List[str]], cfg, merged_scorer) -> str:
-    """One text from the pieces of every shard (see
-    :func:`generate_over_data_parallel_groups`)."""
-    batches = [texts[1:-1] for texts in shard_texts]
-    if len({len(b) for b in batches}) != 1:  # fairseq pads every shard to the same number of batches
-        raise RuntimeError(f"the data-parallel groups generated {[len(b) for b in batches]} batches")
-    lines = [shard_texts[0][0]]
-    lines += [batches[g][i] for i in range(len(batches[0])) for g in range(len(batches))]
+def _closing_text(closings: List[str], cfg, merged_scorer) -> str:
+    """Shard 0's closing lines (``closings``: each shard's text after its
+    last batch) with fairseq's score line recomputed by ``merged_scorer``,
+    or, without one, each shard's own score line marked as such."""
+    lines = []
     score_line = f"Generate {cfg.dataset.gen_subset} with beam={cfg.generation.beam}: "
-    for line in shard_texts[0][-1].splitlines(keepends=True):
+    for line in closings[0].splitlines(keepends=True):
         if not line.startswith(score_line):
             lines.append(line)
         elif merged_scorer is not None:
             lines.append(score_line + merged_scorer.result_string() + "\n")
         else:
-            for g, texts in enumerate(shard_texts):
-                lines += [f"{own.rstrip()} (data-parallel group {g} of {len(shard_texts)} only)\n"
-                          for own in texts[-1].splitlines() if own.startswith(score_line)]
+            for g, closing in enumerate(closings):
+                lines += [f"{own.rstrip()} (data-parallel group {g} of {len(closings)} only)\n"
+                          for own in closing.splitlines() if own.startswith(score_line)]
     return "".join(lines)
 
 
-def _write(text: str, results_path: Optional[str], subset: str) -> None:
-    """Print ``text``, or write it to fairseq's results file without ever
-    leaving a partial file under that name."""
-    if results_path is None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-        return
-    os.makedirs(results_path, exist_ok=True)
-    path = os.path.join(results_path, f"generate-{subset}.txt")
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+class _ResultsFile(contextlib.AbstractContextManager):
+    """Standard output, or with ``results_path`` fairseq's results file
+    ``<results_path>/generate-<subset>.txt``, written under a temporary name
+    that is renamed when the ``with`` block ends without an error and
+    removed when it fails: a run never leaves a partial file under that
+    name, nor spoils the last run's. The temporary file is opened at the
+    first write."""
+
+    def __init__(self, results_path: Optional[str], subset: str):
+        self.path = None if results_path is None else os.path.join(results_path, f"generate-{subset}.txt")
+        self._file: Optional[TextIO] = None
+
+    def write(self, text: str) -> None:
+        if self.path is None:
+            sys.stdout.write(text)
+            return
+        if self._file is None:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self._file = open(self.path + ".tmp", "w", encoding="utf-8")
+        self._file.write(text)
+
+    def flush(self) -> None:
+        (sys.stdout if self.path is None else self._file or sys.stdout).flush()
+
+    def __exit__(self, kind, error, traceback):
+        if self.path is None:
+            sys.stdout.flush()
+            return None
+        tmp = self.path + ".tmp"
+        try:
+            if self._file is None and error is None:  # nothing written, but a complete (empty) result
+                open(tmp, "w", encoding="utf-8").close()
+            if self._file is not None:
+                self._file.close()
+            if error is None:
+                os.replace(tmp, self.path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return None

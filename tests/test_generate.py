@@ -5,6 +5,8 @@ torchrun and spawned processes with one process; here each part is checked
 against fairseq's own scorer run once over all sentences.
 """
 
+import io
+import os
 import random
 
 import pytest
@@ -16,11 +18,14 @@ from omegaconf import OmegaConf
 from fairseq_megatron.generate import (
     BatchwiseOutput,
     GenerationTimer,
+    RoundWriter,
     ShardScorer,
-    _interleaved,
+    _closing_text,
+    _ResultsFile,
     merge_scorer_statistics,
     scorer_statistics,
 )
+from tests.helpers import init_model_parallel, run_distributed
 
 rng = random.Random(0)
 WORDS = "the a model parallel rank group shard token layer head".split()
@@ -81,40 +86,65 @@ def test_a_scorer_of_unknown_statistics_keeps_each_shards_line():
     assert not merge_scorer_statistics(shards[0], [scorer_statistics(s) for s in shards])
     assert ShardScorer(shards[1]).result_string() == "PPL 5.0"  # its own, not a placeholder
     cfg = OmegaConf.create({"dataset": {"gen_subset": "test"}, "generation": {"beam": 1}})
-    texts = [["", "H-0\n", f"Generate test with beam=1: {s.result_string()}\n"] for s in shards]
-    assert _interleaved(texts, cfg, None).splitlines() == [
-        "H-0", "H-0",
+    closings = [f"Generate test with beam=1: {s.result_string()}\nclosing line of shard {g}\n"
+                for g, s in enumerate(shards)]
+    assert _closing_text(closings, cfg, None).splitlines() == [
         "Generate test with beam=1: PPL 3.0 (data-parallel group 0 of 2 only)",
-        "Generate test with beam=1: PPL 5.0 (data-parallel group 1 of 2 only)"]
+        "Generate test with beam=1: PPL 5.0 (data-parallel group 1 of 2 only)",
+        "closing line of shard 0"]
 
 
-def test_batches_are_printed_in_the_order_they_were_dealt():
-    """5 batches over 2 shards: shard 0 got 0, 2, 4 and shard 1 got 1, 3
-    and an empty batch (fairseq's padding, no "net_input"). What each shard
-    printed before its batches comes from shard 0, the score line is
-    recomputed, other closing lines are shard 0's."""
-    dealt = [[0, 2, 4], [1, 3, None]]
-    shards = []
-    for g, batches in enumerate(dealt):
-        out = BatchwiseOutput()
-        print(f"config of shard {g}", file=out)
-        samples = [{"id": [b], "net_input": {}} if b is not None else {} for b in batches]
-        for sample in out.batches(samples):
-            if "net_input" in sample:
-                print(f"H-{sample['id'][0]}", file=out)
-        print("Generate test with beam=1: BLEU of this shard", file=out)
-        print(f"closing line of shard {g}", file=out)
-        assert len(out.texts()) == 1 + 3 + 1 and out.sentences == sum(b is not None for b in batches)
-        shards.append(out.texts())
+def _dealt_worker(rank, world_size, dealt):
+    """Shard ``rank`` prints its batches ``dealt[rank]`` (None: an empty
+    batch) through a BatchwiseOutput into a RoundWriter over the
+    data-parallel group of ``world_size`` (model-parallel size 1); returns
+    what rank 0 had written when its loop reached each batch, and at the end."""
+    from fairseq_megatron import parallel_state
 
-    class Whole:
-        def result_string(self):
-            return "BLEU of all"
+    init_model_parallel(1)
+    assert parallel_state.get_data_parallel_world_size() == world_size
+    out = io.StringIO() if rank == 0 else None
+    output = BatchwiseOutput(RoundWriter(out, parallel_state.get_data_parallel_group()).piece)
+    print(f"config of shard {rank}", file=output)
+    written_before = []
+    samples = [{"id": [b], "net_input": {}} if b is not None else {} for b in dealt[rank]]
+    for sample in output.batches(samples):
+        written_before.append(out.getvalue() if out is not None else None)
+        if "net_input" in sample:
+            print(f"H-{sample['id'][0]}", file=output)
+    print("Generate test with beam=1: BLEU of this shard", file=output)
+    return written_before, out.getvalue() if out is not None else None, output.rest(), output.sentences
 
-    cfg = OmegaConf.create({"dataset": {"gen_subset": "test"}, "generation": {"beam": 1}})
-    assert _interleaved(shards, cfg, Whole()).splitlines() == [
-        "config of shard 0", "H-0", "H-1", "H-2", "H-3", "H-4",
-        "Generate test with beam=1: BLEU of all", "closing line of shard 0"]
+
+def test_batches_are_printed_in_the_order_they_were_dealt_while_generating(tmp_path):
+    """5 batches over 2 shards (2 processes): shard 0 got 0, 2, 4 and shard
+    1 got 1, 3 and an empty batch (fairseq's padding, no "net_input").
+    Rank 0 writes what shard 0 printed before its batches, then each round
+    of batches as soon as both shards finished it: when its loop reaches
+    batch 2k, batches 0 .. 2k - 1 are written. The closing lines stay with
+    each shard (merged by _closing_text at the end)."""
+    results = run_distributed(_dealt_worker, 2, tmp_path, [[0, 2, 4], [1, 3, None]])
+    written_before, written, closing, sentences = results[0]
+    assert written_before == ["config of shard 0\n", "config of shard 0\nH-0\nH-1\n",
+                              "config of shard 0\nH-0\nH-1\nH-2\nH-3\n"]
+    assert written == "config of shard 0\nH-0\nH-1\nH-2\nH-3\nH-4\n"
+    assert closing == "Generate test with beam=1: BLEU of this shard\n" and sentences == 3
+    assert results[1][1] is None and results[1][3] == 2  # rank 1 writes nothing
+
+
+def test_a_results_file_appears_only_when_complete(tmp_path):
+    """fairseq's results file: written under a temporary name, renamed when
+    the run ends; a run that fails leaves the last run's file as it was."""
+    path = tmp_path / "results" / "generate-test.txt"
+    with _ResultsFile(str(tmp_path / "results"), "test") as out:
+        out.write("H-0\n")
+        assert not path.exists()
+    assert path.read_text() == "H-0\n"
+    with pytest.raises(RuntimeError):
+        with _ResultsFile(str(tmp_path / "results"), "test") as out:
+            out.write("H-0 of a run that fails\n")
+            raise RuntimeError("generation failed")
+    assert path.read_text() == "H-0\n" and os.listdir(tmp_path / "results") == ["generate-test.txt"]
 
 
 def test_the_rate_of_a_shard_without_batches_is_nan():

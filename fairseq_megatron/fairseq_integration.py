@@ -690,16 +690,26 @@ def _read_on_rank_0(buffered_read):
     :func:`_standard_input_through_a_pipe`) and broadcasts each
     list; the others receive the same lists, then ``None`` at the end. The
     broadcasts go over a gloo group of their own with a week's timeout: rank
-    0 may wait for a person to type, and the default group would time out."""
+    0 may wait for a person to type, and the default group would time out.
+
+    Only the ranks of data-parallel group 0 (rank 0's model-parallel group)
+    are given the lines to answer: only rank 0 prints, and every other group
+    computed the same answers for nothing (fairseq-interactive on 8 GPUs at
+    model-parallel size 4 makes two groups). The others keep taking the
+    broadcasts, and end with rank 0."""
     import datetime
 
     import torch.distributed as dist
+
+    from fairseq_megatron import parallel_state
 
     @functools.wraps(buffered_read)
     def read(input, buffer_size):
         if not dist.is_initialized() or dist.get_world_size() == 1:
             yield from buffered_read(input, buffer_size)
             return
+        answering = not parallel_state.model_parallel_is_initialized() or \
+            parallel_state.get_data_parallel_rank() == 0
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
         lines = buffered_read(input, buffer_size) if dist.get_rank() == 0 else None
         while True:
@@ -707,7 +717,8 @@ def _read_on_rank_0(buffered_read):
             dist.broadcast_object_list(box, src=0, group=group)
             if box[0] is None:
                 return
-            yield box[0]
+            if answering:
+                yield box[0]
 
     return read
 

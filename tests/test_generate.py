@@ -1,4 +1,5 @@
-"""fairseq-generate's output over data-parallel shards: scores merged, batches interleaved.
+"""fairseq-generate's output over data-parallel shards: scores merged, batches interleaved;
+fairseq-interactive's input over data-parallel groups.
 
 The end-to-end runs (tests/test_end_to_end.py) compare whole outputs of
 torchrun and spawned processes with one process; here each part is checked
@@ -156,3 +157,28 @@ def test_the_rate_of_a_shard_without_batches_is_nan():
     timer.start()
     timer.stop(7)
     assert timer.sum > 0 and 7 / timer.sum > 0
+
+
+def _interactive_worker(rank, world_size, path):
+    import inspect
+
+    from fairseq_cli import interactive
+
+    from fairseq_megatron import parallel_state
+
+    init_model_parallel(2)
+    read = interactive.buffered_read  # the plugin's (installed on import), over fairseq's own
+    assert inspect.unwrap(read) is not read
+    return parallel_state.get_data_parallel_rank(), list(read(path, 2))
+
+
+def test_interactive_input_goes_to_data_parallel_group_0_only(tmp_path):
+    """fairseq-interactive at model-parallel size 2 in a world of 4 (two
+    groups): rank 0 reads the input and both ranks of its group get every
+    buffer of lines; the other group's ranks get none (they computed the
+    same answers, which only rank 0 prints) and still end with rank 0."""
+    path = tmp_path / "prompts.txt"
+    path.write_text("one\ntwo\nthree\n")
+    results = run_distributed(_interactive_worker, 4, tmp_path, str(path))
+    assert [group for group, _ in results] == [0, 0, 1, 1]
+    assert [buffers for _, buffers in results] == [[["one", "two"], ["three"]]] * 2 + [[]] * 2

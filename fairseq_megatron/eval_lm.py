@@ -25,14 +25,13 @@ sharding and any number of workers give the single-process batches;
 sums the log-probabilities and token counts of all groups before the loss is
 printed.
 
-Two settings that left nothing to score now stop with one error line:
-blocks all longer than the model's positions (fairseq skips such samples
-with a warning, and then printed "Loss (base 2): 0.0000, Perplexity: 1.00"),
-and a ``--context-window`` as long as the blocks (a ZeroDivisionError in
-fairseq's block dataset), and so does a sample longer than the model's
-positions unless ``--skip-invalid-size-inputs-valid-test`` is given
-(fairseq skipped them with a warning and printed the loss of the others);
-see :func:`with_settings_checked`.
+Every token is scored, or the run stops with one error line
+(:func:`with_settings_checked`): samples longer than the model's positions
+are refused unless ``--skip-invalid-size-inputs-valid-test`` is given
+(fairseq skipped them with a warning and printed the loss of the others:
+"Loss (base 2): 0.0000, Perplexity: 1.00" with all of them skipped), and so
+are a run that scored no token and a ``--context-window`` as long as the
+blocks (a ZeroDivisionError in fairseq's block dataset).
 """
 
 import contextvars

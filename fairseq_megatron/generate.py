@@ -333,7 +333,10 @@ class _ResultsFile(contextlib.AbstractContextManager):
         self._file.write(text)
 
     def flush(self) -> None:
-        (sys.stdout if self.path is None else self._file or sys.stdout).flush()
+        if self.path is None:
+            sys.stdout.flush()
+        elif self._file is not None:
+            self._file.flush()
 
     def __exit__(self, kind, error, traceback):
         if self.path is None:

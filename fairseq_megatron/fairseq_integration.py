@@ -1203,14 +1203,16 @@ def _training_from_checkpoints_at_another_size() -> None:
     checkpoint_utils.load_checkpoint = load_checkpoint_or_pretrained_model
 
 
-def _running_a_fairseq_tool() -> bool:
-    """Whether this process is one of fairseq's command-line tools
-    (``python -m fairseq_cli.eval_lm`` or the ``fairseq-eval-lm`` script), as
-    opposed to a Python program that imported the package."""
+def _fairseq_tool() -> Optional[str]:
+    """The fairseq command-line tool this process runs, by its module name
+    (``eval_lm`` for ``python -m fairseq_cli.eval_lm`` or the
+    ``fairseq-eval-lm`` script); None in a Python program that imported the
+    package."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.name.startswith("fairseq_cli."):
-        return True
-    return os.path.basename(sys.argv[0] if sys.argv else "").startswith("fairseq-")
+        return spec.name[len("fairseq_cli."):]
+    script = os.path.basename(sys.argv[0] if sys.argv else "")
+    return script[len("fairseq-"):].replace("-", "_") if script.startswith("fairseq-") else None
 
 
 def _printed_as_one_line(error: BaseException) -> bool:
@@ -1221,7 +1223,7 @@ def _printed_as_one_line(error: BaseException) -> bool:
     from fairseq_megatron.errors import UsageError
 
     ours = isinstance(error, (UsageError, torch.multiprocessing.ProcessExitedException))
-    if not ours or os.environ.get("FAIRSEQ_MEGATRON_TRACEBACK") or not _running_a_fairseq_tool():
+    if not ours or os.environ.get("FAIRSEQ_MEGATRON_TRACEBACK") or _fairseq_tool() is None:
         return False
     print(f"error: {error}", file=sys.stderr, flush=True)
     return True
@@ -1420,7 +1422,9 @@ def _evaluation_scores_every_sample() -> None:
         """fairseq's ``FairseqTask.filter_indices_by_size``, whose refusal of
         samples longer than the model's positions (evaluations without
         ``--skip-invalid-size-inputs-valid-test``) is one line: fairseq
-        raised a bare Exception, a traceback in every tool.
+        raised a bare Exception, a traceback in every tool. In
+        fairseq-interactive the sample is a prompt, and the line says so
+        (fairseq's advice there was to skip the "example").
 
         Raises:
             UsageError: a sample is too long and ``ignore_invalid_inputs`` is false.
@@ -1428,6 +1432,12 @@ def _evaluation_scores_every_sample() -> None:
         if ignore_invalid_inputs:
             return original_filter(self, indices, dataset, max_positions, ignore_invalid_inputs)
         kept, too_long = dataset.filter_indices_by_size(indices, max_positions)
+        if len(too_long) > 0 and _fairseq_tool() == "interactive":  # the user's own lines
+            raise UsageError(
+                f"a prompt of {dataset.size(too_long[0])} tokens is longer than the model's positions "
+                f"(max_positions={max_positions}): shorten it, or skip such prompts with "
+                f"--skip-invalid-size-inputs-valid-test"
+            )
         if len(too_long) > 0:
             raise UsageError(
                 f"{len(too_long):,} samples are longer than the model's positions (sample #{too_long[0]}: "

@@ -456,6 +456,18 @@ def test_fairseq_interactive_reads_standard_input_at_world_size_4(trained):
     assert [hyps[f"H-{i}"].split()[:2] for i in range(3)] == [["the", "function"], ["return", "a"], ["is", "the"]]
 
 
+def test_a_prompt_longer_than_the_model_is_one_error_line(trained):
+    """fairseq-interactive given a prompt of 40 words for a model of 32
+    positions: fairseq raised a bare Exception (a traceback) telling the
+    user to skip the "example"; it is now one line that says it is the
+    prompt, and how long (the session stops there, as fairseq's did)."""
+    args = [trained["data"], "--user-dir", USER_DIR, "--cpu", "--task", "language_modeling",
+            "--path", os.path.join(trained["ckpt"], "checkpoint_last.pt"), "--beam", "1", "--max-len-b", "4"]
+    rc, out = fairseq("interactive", args, stdin=" ".join(["the"] * 40) + "\n", check=False)
+    assert rc == 1 and out.rstrip().splitlines()[-1] == (
+        "error: a prompt of 41 tokens is longer than the model's positions (max_positions=32): shorten it, "
+        "or skip such prompts with --skip-invalid-size-inputs-valid-test"), out[-3000:]
+
 HUB_SCRIPT = """
 import sys, torch
 from fairseq_megatron.hub import from_pretrained

@@ -90,10 +90,13 @@ def find_part_files(path: str) -> List[str]:
 
     Raises:
         FileNotFoundError: neither ``path`` nor any ``<path>-model_part-K.pt`` exists.
-        CheckpointError: the part numbers have a gap, or ``path`` and part
-            files both exist (checkpoints of two sizes under one name: which
-            one was meant cannot be told).
+        CheckpointError: ``path`` is a directory, the part numbers have a
+            gap, or ``path`` and part files both exist (checkpoints of two
+            sizes under one name: which one was meant cannot be told).
     """
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path} is a directory, not a checkpoint: name a checkpoint in it, such as "
+                              f"{os.path.join(path, 'checkpoint_best.pt')}")
     ranks = _part_ranks(path)
     if os.path.exists(path):
         if ranks:

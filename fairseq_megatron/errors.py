@@ -8,7 +8,9 @@ flags. Raised inside ``fairseq-train``, ``fairseq-eval-lm``,
 reaches the user as one ``error: <message>`` line on standard error (one
 per process under torchrun) and exit status 1, instead of a traceback
 through fairseq (``fairseq_integration`` step 14); a Python program that
-imports the package sees the exception as usual. Set
+imports the package sees the exception as usual. A path that names nothing
+(``FileNotFoundError``, or a directory where a file was meant, or the
+reverse) is treated the same, whoever raised it. Set
 ``FAIRSEQ_MEGATRON_TRACEBACK=1`` to see the traceback. Other exceptions are
 bugs, or fairseq's, and keep Python's traceback.
 """

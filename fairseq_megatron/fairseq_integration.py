@@ -118,8 +118,11 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
 14. :func:`_one_line_errors` -- our errors for bad input or a bad launch
    (:class:`fairseq_megatron.errors.UsageError`) reached the user as a
    traceback through fairseq, with the message on its last line; they are
-   now printed as one ``error: ...`` line (exit status 1). Only in those
-   tools: a Python program that imports the package keeps its tracebacks.
+   now printed as one ``error: ...`` line (exit status 1). So are missing
+   files and directories, whoever finds them (fairseq's "Dataset not found",
+   a data directory without dict.txt, a ``--path`` that names nothing: it was
+   fairseq's traceback, naming one rank's part). Only in those tools: a
+   Python program that imports the package keeps its tracebacks.
    ``FAIRSEQ_MEGATRON_TRACEBACK=1`` shows the traceback.
 15. :func:`_training_from_checkpoints_at_another_size` -- fairseq-train
    resuming in a save dir whose checkpoint has another size silently started
@@ -1014,7 +1017,7 @@ def _checkpoints_at_another_model_parallel_size() -> None:
     from fairseq.file_io import PathManager
 
     from fairseq_megatron import parallel_state
-    from fairseq_megatron.checkpoint_resharding import check_complete
+    from fairseq_megatron.checkpoint_resharding import check_complete, find_part_files
 
     original_load = checkpoint_utils.load_model_ensemble_and_task
 
@@ -1032,7 +1035,13 @@ def _checkpoints_at_another_model_parallel_size() -> None:
         ensemble, cfg = [], None
         for filename in filenames:
             _refuse_one_part_as("--path", filename)
-            files = _existing_part_files(filename)
+            try:
+                files = find_part_files(filename)
+            except FileNotFoundError:
+                if PathManager.exists(filename.replace(".pt", suffix + ".pt") if suffix else filename):
+                    files = []  # a file that only fairseq's PathManager reaches (a remote URI)
+                else:
+                    raise  # naming the part files looked for too; fairseq named one rank's part
             check_complete(files)  # on every rank, before any rank loads a part
             part_state = _resharded_state(filename, files, arg_overrides) if needs_resharding(filename, files) else None
             if part_state is None:
@@ -1222,7 +1231,8 @@ def _printed_as_one_line(error: BaseException) -> bool:
     ``FAIRSEQ_MEGATRON_TRACEBACK`` is set. Returns whether it printed."""
     from fairseq_megatron.errors import UsageError
 
-    ours = isinstance(error, (UsageError, torch.multiprocessing.ProcessExitedException))
+    ours = isinstance(error, (UsageError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+                              torch.multiprocessing.ProcessExitedException))
     if not ours or os.environ.get("FAIRSEQ_MEGATRON_TRACEBACK") or _fairseq_tool() is None:
         return False
     print(f"error: {error}", file=sys.stderr, flush=True)

@@ -728,6 +728,29 @@ def test_a_file_that_is_not_a_checkpoint_is_one_error_line(trained, tmp_path):
     assert junk.read_text() == "not a checkpoint\n"
 
 
+def test_a_path_that_names_nothing_is_one_error_line(trained, tmp_path):
+    """Paths that name no file: fairseq answered with a traceback whose last
+    line named one rank's part ("Model file not found: ...-model_part-1.pt"),
+    an IsADirectoryError for a directory, and a FileNotFoundError for a data
+    directory without dict.txt. Each is now one line (on every rank under
+    torchrun) naming what was looked for."""
+    missing = tmp_path / "missing.pt"
+    rc, out = fairseq("eval_lm", eval_args(trained["data"], str(missing), 2), nproc=2, check=False)
+    line = (f"error: no checkpoint {missing} and no model part files "
+            f"{tmp_path / 'missing-model_part-0.pt'}, ...")
+    assert rc != 0 and f"[rank0]: {line}" in out and f"[rank1]: {line}" in out \
+        and "]: Traceback" not in out, out[-3000:]  # torchrun's own follows, its summary of the exits
+    rc, out = fairseq("eval_lm", eval_args(trained["data"], trained["ckpt"], 1), check=False)
+    assert rc == 1 and out.rstrip().splitlines()[-1] == (
+        f"error: {trained['ckpt']} is a directory, not a checkpoint: name a checkpoint in it, such as "
+        f"{os.path.join(trained['ckpt'], 'checkpoint_best.pt')}") and "Traceback" not in out, out[-3000:]
+    path = os.path.join(trained["ckpt"], "checkpoint_last.pt")
+    rc, out = fairseq("eval_lm", eval_args(str(tmp_path), path, 1), check=False)
+    assert rc == 1 and out.rstrip().splitlines()[-1] == (
+        f"error: [Errno 2] No such file or directory: '{tmp_path / 'dict.txt'}'") \
+        and "Traceback" not in out, out[-3000:]
+
+
 def test_eval_lm_scores_every_token_or_stops_with_one_line(trained):
     """Blocks longer than the model's 32 positions: fairseq-eval-lm skipped
     such samples with a warning whatever --skip-invalid-size-inputs-valid-test

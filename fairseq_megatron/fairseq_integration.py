@@ -139,6 +139,10 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    built (saved at a size that padded the dictionary differently) stops with
    the ``--padded-vocab-size`` to pass; fairseq said "Cannot load model
    parameters". Every rank checks the part files for truncation first.
+   A ``--restore-file`` (or, on a first launch, ``--continue-once``) that
+   names no checkpoint, or a ``--finetune-from-model`` directory, made
+   fairseq train from scratch and save over the save dir's
+   ``checkpoint_last``; it now stops the run.
 16. :func:`_broadcast_from_a_rank_of_the_group` -- with several data-parallel
    groups the trainer reads a checkpoint on each group's first rank and
    sends it to the others with fairseq's ``broadcast_object(state,
@@ -959,7 +963,7 @@ def _is_model_parallel_lm(state: dict) -> bool:
 def _existing_part_files(path: str) -> list:
     """The files of checkpoint ``path`` (see
     :func:`fairseq_megatron.checkpoint_resharding.find_part_files`), or none
-    (then fairseq reports the missing file, or starts from scratch)."""
+    where no checkpoint has that name."""
     from fairseq_megatron.checkpoint_resharding import find_part_files
 
     try:
@@ -1183,15 +1187,35 @@ def _training_from_checkpoints_at_another_size() -> None:
         the file PATH itself into every rank: a checkpoint in parts was
         "does not exist", and one file went whole into each part. It is
         fairseq's ``--restore-file PATH`` with every ``--reset-*`` flag, and
-        that loads each rank's part, or builds it in memory (above)."""
+        that loads each rank's part, or builds it in memory (above).
+
+        The checkpoint that fairseq would load, named by ``--restore-file``
+        or, on a first launch, by ``--continue-once`` or
+        ``--finetune-from-model``, must exist, whole or in parts: fairseq
+        started from scratch without it (and saved over the checkpoints of
+        ``--save-dir``), except for a missing ``--finetune-from-model``
+        file, which was a traceback."""
+        ours = isinstance(trainer.get_model(), ModelParallelTransformerLanguageModel)
+        last = os.path.join(cfg.save_dir, f"checkpoint_last{trainer.checkpoint_suffix}.pt")
+        if cfg.restore_file != "checkpoint_last.pt":
+            flag, named = "--restore-file", cfg.restore_file
+        elif PathManager.exists(last):
+            flag, named = None, None  # fairseq resumes from it
+        elif getattr(cfg, "continue_once", None) is not None:
+            flag, named = "--continue-once", cfg.continue_once
+        else:
+            flag, named = "--finetune-from-model", cfg.finetune_from_model
+        if ours and named is not None and not (_existing_part_files(named) or PathManager.exists(named)):
+            raise UsageError(f"{flag} {named}: no such checkpoint, whole or in model parts (leave out {flag} "
+                             f"to start from scratch)")
         path = cfg.finetune_from_model
         if (
             path is None
-            or not isinstance(trainer.get_model(), ModelParallelTransformerLanguageModel)
+            or not ours
             or cfg.restore_file != "checkpoint_last.pt"  # fairseq refuses both
             or any((cfg.reset_optimizer, cfg.reset_lr_scheduler, cfg.reset_meters, cfg.reset_dataloader))
             or getattr(cfg, "continue_once", None) is not None
-            or PathManager.exists(os.path.join(cfg.save_dir, f"checkpoint_last{trainer.checkpoint_suffix}.pt"))
+            or PathManager.exists(last)
         ):
             return original_start(cfg, trainer, **passthrough_args)
         size = parallel_state.get_tensor_model_parallel_world_size()
@@ -1201,8 +1225,6 @@ def _training_from_checkpoints_at_another_size() -> None:
             raise UsageError(f"--finetune-from-model {path}: at model-parallel size {size} the name must end "
                              f"in .pt (fairseq names each rank's part by replacing it)")
         _refuse_one_part_as("--finetune-from-model", path)
-        if not _existing_part_files(path):
-            raise UsageError(f"--finetune-from-model {path}: no such checkpoint, whole or in model parts")
         logger.info(f"fine-tuning from {path}: optimizer, lr scheduler, meters and data loader start afresh")
         cfg = copy.deepcopy(cfg)
         cfg.finetune_from_model, cfg.restore_file = None, path

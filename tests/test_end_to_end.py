@@ -456,6 +456,7 @@ def test_fairseq_interactive_reads_standard_input_at_world_size_4(trained):
     assert [hyps[f"H-{i}"].split()[:2] for i in range(3)] == [["the", "function"], ["return", "a"], ["is", "the"]]
 
 
+
 def test_a_prompt_longer_than_the_model_is_one_error_line(trained):
     """fairseq-interactive given a prompt of 40 words for a model of 32
     positions: fairseq raised a bare Exception (a traceback) telling the
@@ -749,6 +750,37 @@ def test_a_path_that_names_nothing_is_one_error_line(trained, tmp_path):
     assert rc == 1 and out.rstrip().splitlines()[-1] == (
         f"error: [Errno 2] No such file or directory: '{tmp_path / 'dict.txt'}'") \
         and "Traceback" not in out, out[-3000:]
+
+
+def test_a_checkpoint_to_start_from_that_does_not_exist_stops_the_run(trained, tmp_path):
+    """fairseq-train --restore-file naming no checkpoint (a typo, a wrong
+    directory) trained from scratch after one "No existing checkpoint found"
+    log line, and saved the new model over the save dir's checkpoint_last;
+    so did --continue-once on a first launch, and --finetune-from-model
+    naming a directory. Each now stops on every rank before training, with
+    the files of the save dir as they were."""
+    for name in ("checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt"):
+        shutil.copy(os.path.join(trained["ckpt"], name), tmp_path)
+    before = _listing(tmp_path)
+    missing = str(tmp_path / "checkpoint_9_99.pt")
+    rc, out = fairseq("train", train_args(trained["data"], str(tmp_path), max_update=9)
+                      + ["--restore-file", missing], nproc=2, check=False)
+    line = (f"error: --restore-file {missing}: no such checkpoint, whole or in model parts "
+            f"(leave out --restore-file to start from scratch)")
+    assert rc != 0 and f"[rank0]: {line}" in out and f"[rank1]: {line}" in out \
+        and "num_updates" not in out, out[-3000:]
+    assert _listing(tmp_path) == before
+    fresh = tmp_path / "fresh"
+    rc, out = train_without_dropout(trained["data"], fresh, 1, 1, "--continue-once", missing, check=False)
+    assert rc == 1 and out.rstrip().splitlines()[-1] == (
+        f"error: --continue-once {missing}: no such checkpoint, whole or in model parts "
+        f"(leave out --continue-once to start from scratch)") and "num_updates" not in out, out[-3000:]
+    rc, out = train_without_dropout(trained["data"], fresh, 1, 1, "--finetune-from-model", trained["ckpt"],
+                                    check=False)
+    assert rc == 1 and out.rstrip().splitlines()[-1] == (
+        f"error: {trained['ckpt']} is a directory, not a checkpoint: name a checkpoint in it, such as "
+        f"{os.path.join(trained['ckpt'], 'checkpoint_best.pt')}") and "num_updates" not in out, out[-3000:]
+    assert not fresh.exists() or not os.listdir(fresh)
 
 
 def test_eval_lm_scores_every_token_or_stops_with_one_line(trained):

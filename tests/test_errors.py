@@ -40,6 +40,20 @@ def test_heads_and_ffn_must_divide_by_model_parallel_size(tmp_path):
         assert "configured for model-parallel size 1" in r["errors"]["size"]
 
 
+def test_heads_must_divide_the_embedding_and_the_vocabulary_must_fit():
+    """At size 1: an embedding dim that the heads do not divide was reported
+    as "not divisible by the model-parallel size (3)" (3 being the heads),
+    and a --padded-vocab-size smaller than the dictionary blamed a
+    checkpoint's embedding while training from scratch."""
+    with pytest.raises(UsageError, match="^--decoder-embed-dim 64 is not divisible by --decoder-attention-heads 3$"):
+        build_model(1, decoder_embed_dim=64, decoder_attention_heads=3)
+    symbols = len(make_dictionary())
+    with pytest.raises(UsageError, match=re.escape(
+            f"the dictionary has {symbols} symbols but the vocabulary has 16 rows (--padded-vocab-size, or a "
+            f"checkpoint's record of it): a --padded-vocab-size too small, or the wrong dict.txt")):
+        build_model(1, padded_vocab_size=16)
+
+
 def _world_not_divisible_worker(rank, world_size):
     try:
         parallel_state.initialize_model_parallel(2)

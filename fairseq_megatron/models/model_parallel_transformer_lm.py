@@ -85,8 +85,9 @@ def pad_dictionary(dictionary, model_parallel_size: int, padded_vocab_size: Opti
     else:
         if len(dictionary) > padded_vocab_size:
             raise UsageError(
-                f"the dictionary has {len(dictionary)} symbols but the checkpoint's embedding "
-                f"has {padded_vocab_size} rows: wrong dict.txt for this checkpoint"
+                f"the dictionary has {len(dictionary)} symbols but the vocabulary has {padded_vocab_size} rows "
+                f"(--padded-vocab-size, or a checkpoint's record of it): a --padded-vocab-size too small, "
+                f"or the wrong dict.txt for the checkpoint"
             )
         i = 0
         while len(dictionary) < padded_vocab_size:
@@ -188,6 +189,9 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         ):
             if value % group_size != 0:
                 raise UsageError(f"{flag} {value} is not divisible by --model-parallel-size {group_size}")
+        if args.decoder_embed_dim % args.decoder_attention_heads != 0:
+            raise UsageError(f"--decoder-embed-dim {args.decoder_embed_dim} is not divisible by "
+                             f"--decoder-attention-heads {args.decoder_attention_heads}")
         if safe_getattr(args, "bf16_autocast", False):
             half = [f"--{f.replace('_', '-')}" for f in ("fp16", "memory_efficient_fp16", "amp")
                     if safe_getattr(args, f, False)]

@@ -9,6 +9,7 @@ from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor
 
 from fairseq_megatron import parallel_state
+from fairseq_megatron.errors import UsageError
 from fairseq_megatron.modules.column_parallel_linear import ColumnParallelLinear, column_parallel_input
 from fairseq_megatron.modules.row_parallel_linear import RowParallelLinear
 from fairseq_megatron.modules.sharding import divide
@@ -46,8 +47,8 @@ class ModelParallelMultiheadAttention(nn.Module):
     local heads, ``(B, H/N, T_past, D)``, in ``incremental_state``.
 
     Raises:
-        ValueError: ``embed_dim`` not divisible by ``num_heads``, or
-            ``num_heads`` not divisible by the model-parallel size.
+        UsageError (a ValueError): ``embed_dim`` not divisible by
+            ``num_heads``, or ``num_heads`` not divisible by the model-parallel size.
     """
 
     def __init__(
@@ -63,7 +64,9 @@ class ModelParallelMultiheadAttention(nn.Module):
         world_size = parallel_state.world_size(self.group)
         self.embed_dim = embed_dim
         self.num_heads = num_heads  # total, as fairseq's TransformerDecoderLayer expects
-        self.head_dim = divide(embed_dim, num_heads, "embedding dim, per attention head")
+        if embed_dim % num_heads != 0:
+            raise UsageError(f"embedding dim {embed_dim} is not divisible by the {num_heads} attention heads")
+        self.head_dim = embed_dim // num_heads
         self.num_heads_partition = divide(num_heads, world_size, "number of attention heads")
         self.dropout_p = dropout
 

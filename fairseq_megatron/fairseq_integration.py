@@ -179,7 +179,10 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    than the model's positions are refused by evaluations without
    ``--skip-invalid-size-inputs-valid-test`` in one line (fairseq: a bare
    Exception's traceback), fairseq-eval-lm included, which skipped them
-   whatever the flag said and printed the loss of the others.
+   whatever the flag said and printed the loss of the others. Where the
+   samples are skipped (training, or with that flag) and none is left, the
+   run stops with one line: fairseq failed with an IndexError in
+   ``batch_by_size``.
 20. :func:`_resuming_at_another_data_parallel_size` -- a checkpoint records
    how far its epoch got as the number of batches each data-parallel group
    had taken. Resumed with another number of groups (more GPUs, or a
@@ -1459,10 +1462,16 @@ def _evaluation_scores_every_sample() -> None:
         (fairseq's advice there was to skip the "example").
 
         Raises:
-            UsageError: a sample is too long and ``ignore_invalid_inputs`` is false.
+            UsageError: a sample is too long and ``ignore_invalid_inputs`` is
+                false, or every sample is too long (except in
+                fairseq-interactive, where a skipped prompt is one of many).
         """
         if ignore_invalid_inputs:
-            return original_filter(self, indices, dataset, max_positions, ignore_invalid_inputs)
+            kept = original_filter(self, indices, dataset, max_positions, ignore_invalid_inputs)
+            if len(kept) == 0 and len(indices) > 0 and _fairseq_tool() != "interactive":
+                raise UsageError(f"all {len(indices):,} samples are longer than the model's positions "
+                                 f"(max_positions={max_positions}): lower --tokens-per-sample")
+            return kept
         kept, too_long = dataset.filter_indices_by_size(indices, max_positions)
         if len(too_long) > 0 and _fairseq_tool() == "interactive":  # the user's own lines
             raise UsageError(

@@ -806,12 +806,26 @@ def test_eval_lm_scores_every_token_or_stops_with_one_line(trained):
     assert re.fullmatch(r"error: [0-9,]+ samples are longer than the model's positions \(sample #\d+: \d+, "
                         r"max_positions=32\): lower --tokens-per-sample, or skip them with "
                         r"--skip-invalid-size-inputs-valid-test", run(64, 0))
-    assert run(64, 0, "--skip-invalid-size-inputs-valid-test") == (
-        "error: no token was scored: the subset is empty, or fairseq skipped every sample as longer than "
-        "the model's 32 positions (lower --tokens-per-sample)")
+    assert re.fullmatch(r"error: all [0-9,]+ samples are longer than the model's positions \(max_positions=32\): "
+                        r"lower --tokens-per-sample", run(64, 0, "--skip-invalid-size-inputs-valid-test"))
     assert run(32, 32) == (
         "error: --context-window 32 leaves no token to score in blocks of --tokens-per-sample 32: each "
         "block scores tokens-per-sample minus context-window tokens")
+
+
+def test_training_on_samples_all_longer_than_the_model_is_one_error_line(trained, tmp_path):
+    """fairseq-train skips training samples longer than the model's
+    positions, with a warning; where that is all of them (blocks of about 32
+    tokens, the last one included, for a model of 16 positions) it failed
+    with an IndexError in its batching. Now one line, before any update."""
+    train = data_utils.load_indexed_dataset(os.path.join(trained["data"], "train"), None)  # sizes: its memory map
+    tokens = int(train.sizes.sum())
+    block = next(b for b in range(32, 64) if tokens % b == 0 or tokens % b > 16)  # no last block of <= 16
+    rc, out = train_without_dropout(trained["data"], tmp_path, 2, 1, "--max-target-positions", "16",
+                                    "--tokens-per-sample", str(block), check=False)
+    assert rc == 1 and re.fullmatch(
+        r"error: all [0-9,]+ samples are longer than the model's positions \(max_positions=16\): "
+        r"lower --tokens-per-sample", out.rstrip().splitlines()[-1]) and "num_updates" not in out, out[-3000:]
 
 
 def test_one_part_file_as_path_is_refused(trained):

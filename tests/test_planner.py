@@ -124,3 +124,20 @@ def test_cli_table_json_and_errors(capsys):
     assert plan_parallelism.main(["--layers", "2", "--hidden", "70", "--heads", "4", "--gpus", "4",
                                   "--global-batch", "4"]) == 1
     assert capsys.readouterr().err.strip() == "error: hidden 70 is not divisible by heads 4"
+
+
+@pytest.mark.parametrize("flag,value", [("--gpus", "0"), ("--layers", "0"), ("--gpu-memory", "-5"),
+                                        ("--global-batch", "0"), ("--tp", "-1")])
+def test_cli_refuses_sizes_that_are_not_positive(capsys, flag, value):
+    """--layers 0 was a ZeroDivisionError traceback, --gpus 0 "no
+    tensor-parallel size within a node of 8 divides heads 32", a negative
+    --gpu-memory a table where nothing fits. argparse now refuses them
+    (exit status 2, its usage line and one error line)."""
+    args = {"--arch": "transformer_lm_megatron_11b", "--gpus": "8", "--global-batch": "64", flag: value}
+    if flag == "--layers":
+        args.update({"--arch": None, "--hidden": "64", "--heads": "4"})
+    with pytest.raises(SystemExit) as exited:
+        plan_parallelism.main([x for k, v in args.items() if v is not None for x in (k, v)])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"error: argument {flag}: must be positive, got {value}")

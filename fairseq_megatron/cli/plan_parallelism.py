@@ -26,26 +26,37 @@ from fairseq_megatron.planner import (
 )
 
 
+def positive(kind):
+    """An argparse type: ``kind`` (int or float) of the text, refused unless > 0."""
+    def convert(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    convert.__name__ = kind.__name__  # argparse's "invalid int value" for text that is no number
+    return convert
+
+
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", help="an arch of this package, e.g. transformer_lm_megatron_11b")
     for name in ("layers", "hidden", "heads", "ffn"):
-        p.add_argument(f"--{name}", type=int, help=f"{name} (overrides --arch)")
-    p.add_argument("--vocab", type=int, default=51200, help="padded vocabulary size")
-    p.add_argument("--seq-len", type=int, default=1024)
+        p.add_argument(f"--{name}", type=positive(int), help=f"{name} (overrides --arch)")
+    p.add_argument("--vocab", type=positive(int), default=51200, help="padded vocabulary size")
+    p.add_argument("--seq-len", type=positive(int), default=1024)
     p.add_argument("--learned-positions", action="store_true")
-    p.add_argument("--gpus", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU")
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--global-batch", type=int, required=True)
+    p.add_argument("--gpus", type=positive(int), required=True)
+    p.add_argument("--gpus-per-node", type=positive(int), default=8)
+    p.add_argument("--gpu-memory", type=positive(float), default=80.0, help="GB per GPU")
+    p.add_argument("--micro-batch", type=positive(int), default=1)
+    p.add_argument("--global-batch", type=positive(int), required=True)
     p.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16")
     p.add_argument("--checkpoint-activations", action="store_true")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--no-flash-attention", dest="flash_attention", action="store_false",
                    help="count the stored attention matrix (5*a*s^2*b bytes per layer)")
-    p.add_argument("--tp", type=int, help="only this tensor-parallel size")
-    p.add_argument("--pp", type=int, help="only this pipeline-parallel size")
+    p.add_argument("--tp", type=positive(int), help="only this tensor-parallel size")
+    p.add_argument("--pp", type=positive(int), help="only this pipeline-parallel size")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--png", help="write a chart of memory per GPU by layout (needs matplotlib)")
     return p

@@ -296,6 +296,14 @@ def gpu_busy_summary(prof, steps: int) -> dict:
             "host_waits_per_step": {k: v / steps for k, v in sorted(waits.items())}}
 
 
+def why_it_failed(output: str) -> str:
+    """The ``error: ...`` lines of a failed fairseq run, once each and without
+    torchrun's rank prefix; the last 5 lines of its output where it printed
+    none (a traceback: its last lines say most)."""
+    errors = dict.fromkeys(re.findall(r"^(?:\[rank\d+\]: )?(error: .*)$", output, re.M))
+    return "\n".join(errors or output.strip().splitlines()[-5:])
+
+
 def parse_log(output: str):
     """fairseq's json ``train_inner`` records -> (wps values in order, logged param count or None)."""
     wps, params = [], None
@@ -336,8 +344,8 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
     with open(log_path, "w") as f:
         f.write(proc.stdout)
     if proc.returncode != 0:
-        tail = "\n".join(proc.stdout.strip().splitlines()[-5:])
-        raise SystemExit(f"error: fairseq-train ({impl}) failed, exit {proc.returncode}; log {log_path}:\n{tail}")
+        raise SystemExit(f"error: fairseq-train ({impl}) failed, exit {proc.returncode}; log {log_path}:\n"
+                         f"{why_it_failed(proc.stdout)}")
     wps, logged_params = parse_log(proc.stdout)
     if len(wps) < 3:
         raise SystemExit(f"error: fewer than 3 log intervals in {log_path}: raise --updates or lower --log-interval")
@@ -550,8 +558,11 @@ def main(argv=None):
     args.precision = args.precision or ("fp16" if use_cuda else "fp32")
     if not use_cuda and args.precision not in ("fp32", "bf16-autocast"):
         p.error(f"--precision {args.precision} needs a GPU")
-    if args.model_parallel_size < 1:
-        p.error("--model-parallel-size must be at least 1")
+    for name in ("model_parallel_size", "batch_size", "seq_len", "updates", "log_interval", "eval_batch_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:  # 0 was a ZeroDivisionError, or ignored
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.eval_lm_tokens < 0 or args.context_window < 0 or args.peak_tflops <= 0:
+        p.error("--eval-lm-tokens and --context-window cannot be negative, --peak-tflops must be positive")
     if use_cuda and args.model_parallel_size > torch.cuda.device_count():
         p.error(f"--model-parallel-size {args.model_parallel_size} needs that many GPUs; "
                 f"this machine has {torch.cuda.device_count()}")

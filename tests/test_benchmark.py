@@ -108,3 +108,26 @@ def test_gpu_busy_summary_counts_overlapping_kernels_once():
     assert summary["busy_share"] == round(25 / 30, 3)
     assert summary["device_events_per_step"] == 3
     assert summary["host_waits_per_step"] == {"cudaStreamSynchronize": 1.0}
+
+
+def test_bad_arguments_and_failed_runs_are_reported_in_one_line(capsys):
+    """--updates 0 reached fairseq as --max-update 0, no limit: the
+    benchmark trained until killed. --log-interval 0 was a ZeroDivisionError
+    there, --batch-size 0 silently meant the shape's default. argparse now
+    refuses them. A failed fairseq-train run is reported by its error lines,
+    not by the last lines of torchrun's failure summary."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import benchmark
+
+    for flag in ("--updates", "--log-interval", "--batch-size", "--model-parallel-size"):
+        with pytest.raises(SystemExit) as exited:
+            benchmark.main(["--shape", "tiny", flag, "0"])
+        assert exited.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f": error: {flag} must be at least 1")
+    line = "error: --decoder-attention-heads 4 is not divisible by --model-parallel-size 3"
+    torchrun = "\n".join([f"[rank1]: {line}", f"[rank0]: {line}", "E1124 ... failed (exitcode: 1)",
+                          "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:", "=" * 60])
+    assert benchmark.why_it_failed(torchrun) == line
+    traceback = "\n".join(["Traceback (most recent call last):"] + [f'  File "x.py", line {i}' for i in range(6)]
+                          + ["ZeroDivisionError: integer modulo by zero"])
+    assert benchmark.why_it_failed(traceback) == "\n".join(traceback.splitlines()[-5:])

@@ -551,6 +551,11 @@ def main(argv=None):
         p.error("--png draws the rows of --csv; pass --csv too")
     if args.with_anchor and not os.path.isfile(args.with_anchor):
         p.error(f"--with-anchor: no such file: {args.with_anchor}")
+    for name in ("model_parallel_size", "batch_size", "seq_len", "updates", "log_interval", "eval_batch_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:  # 0 was a ZeroDivisionError, or ignored
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.eval_lm_tokens < 0 or args.context_window < 0 or args.peak_tflops <= 0:
+        p.error("--eval-lm-tokens and --context-window cannot be negative, --peak-tflops must be positive")
 
     import torch
 
@@ -558,11 +563,6 @@ def main(argv=None):
     args.precision = args.precision or ("fp16" if use_cuda else "fp32")
     if not use_cuda and args.precision not in ("fp32", "bf16-autocast"):
         p.error(f"--precision {args.precision} needs a GPU")
-    for name in ("model_parallel_size", "batch_size", "seq_len", "updates", "log_interval", "eval_batch_size"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:  # 0 was a ZeroDivisionError, or ignored
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.eval_lm_tokens < 0 or args.context_window < 0 or args.peak_tflops <= 0:
-        p.error("--eval-lm-tokens and --context-window cannot be negative, --peak-tflops must be positive")
     if use_cuda and args.model_parallel_size > torch.cuda.device_count():
         p.error(f"--model-parallel-size {args.model_parallel_size} needs that many GPUs; "
                 f"this machine has {torch.cuda.device_count()}")

@@ -1473,19 +1473,19 @@ def _evaluation_scores_every_sample() -> None:
                                  f"(max_positions={max_positions}): lower --tokens-per-sample")
             return kept
         kept, too_long = dataset.filter_indices_by_size(indices, max_positions)
-        if len(too_long) > 0 and _fairseq_tool() == "interactive":  # the user's own lines
+        if len(too_long) == 0:
+            return kept
+        if _fairseq_tool() == "interactive":  # the user's own lines
             raise UsageError(
                 f"a prompt of {dataset.size(too_long[0])} tokens is longer than the model's positions "
                 f"(max_positions={max_positions}): shorten it, or skip such prompts with "
                 f"--skip-invalid-size-inputs-valid-test"
             )
-        if len(too_long) > 0:
-            raise UsageError(
-                f"{len(too_long):,} samples are longer than the model's positions (sample #{too_long[0]}: "
-                f"{dataset.size(too_long[0])}, max_positions={max_positions}): lower --tokens-per-sample, "
-                f"or skip them with --skip-invalid-size-inputs-valid-test"
-            )
-        return kept
+        raise UsageError(
+            f"{len(too_long):,} samples are longer than the model's positions (sample #{too_long[0]}: "
+            f"{dataset.size(too_long[0])}, max_positions={max_positions}): lower --tokens-per-sample, "
+            f"or skip them with --skip-invalid-size-inputs-valid-test"
+        )
 
     original_filter = FairseqTask.filter_indices_by_size
     FairseqTask.filter_indices_by_size = functools.wraps(original_filter)(filter_indices_by_size)

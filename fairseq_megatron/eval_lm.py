@@ -16,14 +16,16 @@ CPU (two data-parallel groups), are fixed here:
    6.8210 with ``--num-workers 2``.
 3. Each group computes the perplexity of its own shard, and only global
    rank 0 logs it: 6.9099 instead of 6.8070 for the run above at world
-   size 4, from half of the tokens.
+   size 4, from half of the tokens. So were ``--output-word-probs`` and
+   ``--output-word-stats``: on the demo's valid split at world size 4,
+   5,884 of its 11,004 words in the word statistics.
 
 :class:`ContextWindowDataset` computes each sample's context from the
 samples before it in the dataset, not from what the collater saw last, so any
 sharding and any number of workers give the single-process batches;
 :func:`eval_lm_dataloader` uses it; :func:`eval_lm_over_data_parallel_groups`
 sums the log-probabilities and token counts of all groups before the loss is
-printed.
+printed, and prints the words of all groups in one process's order.
 
 Every token is scored, or the run stops with one error line
 (:func:`with_settings_checked`): samples longer than the model's positions
@@ -256,27 +258,44 @@ def eval_lm_dataloader(
     ).next_epoch_itr(shuffle=False)
 
 
+# One scored word, as fairseq_cli/eval_lm.py's word loop sees it: the word
+# (BPE continuations joined), its log-probability, that of the next word in
+# the sample (None at the end) and whether it was joined from BPE pieces.
+Word = Tuple[str, float, Optional[float], bool]
+
+
 class _ScoreTally:
     """The sum of log-probabilities (natural log) and the token count that
     ``fairseq_cli/eval_lm.py:eval_lm`` divides, rebuilt from the scorer's
     hypotheses by its rules: the BOS token removed with ``--add-bos-token``,
     a BPE continuation token's score moved to the next token and not counted
     with ``--post-process``. Non-finite scores (which fairseq drops after
-    that move) are only counted here, and stop the sum over groups."""
+    that move) are only counted here, and stop the sum over groups.
 
-    def __init__(self, dictionary, post_process: Optional[str], remove_bos_token: bool, device: torch.device):
+    With ``keep_words``, it also keeps, per batch, ``(sample id, words)`` for
+    every sample (:data:`Word`), which fairseq prints with
+    ``--output-word-probs`` / ``--output-word-stats``."""
+
+    def __init__(self, dictionary, post_process: Optional[str], remove_bos_token: bool, device: torch.device,
+                 keep_words: bool = False):
+        self.dictionary = dictionary
         self.remove_bos_token = remove_bos_token
-        self.bpe_tokens = None
+        self.bpe_tokens, self.bpe_suffix_length = None, 0
         if post_process in {"subword_nmt", "@@ "}:  # eval_lm raises for any other
             suffix = post_process.rstrip()
             self.bpe_tokens = {i for i in range(len(dictionary)) if dictionary[i].endswith(suffix)}
+            self.bpe_suffix_length = len(suffix)
+        self.batches: Optional[List[List[Tuple[int, List[Word]]]]] = [] if keep_words else None
         # float64 on the scores' device: no host sync per batch
         self.log_prob_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.non_finite = torch.zeros((), dtype=torch.float64, device=device)
         self.count = 0
 
-    def add(self, hypos) -> None:
-        for hypos_i in hypos:
+    def add(self, hypos, sample_ids=None) -> None:
+        """One batch: ``hypos`` from the scorer, ``sample_ids`` (B,) its samples' ids."""
+        if self.batches is not None:
+            self.batches.append([])
+        for i, hypos_i in enumerate(hypos):
             tokens, scores = hypos_i[0]["tokens"], hypos_i[0]["positional_scores"].float()
             if self.remove_bos_token:
                 tokens, scores = tokens[1:], scores[1:]
@@ -286,6 +305,29 @@ class _ScoreTally:
             if self.bpe_tokens is not None:
                 skipped = sum(t in self.bpe_tokens for t in tokens[:-1].tolist())
             self.count += scores.numel() - skipped
+            if self.batches is not None:
+                self.batches[-1].append((int(sample_ids[i]), self._words(tokens.tolist(), scores)))
+
+    def _words(self, tokens: List[int], scores: torch.Tensor) -> List[Word]:
+        """The words of one sample by the loop in ``fairseq_cli/eval_lm.py:eval_lm``,
+        in float32 as there: a continuation's score is added to the next token's
+        (and becomes 0), a word's "next" score is the next non-zero one."""
+        scores = scores.cpu().numpy().copy()  # float32
+        is_continuation = [self.bpe_tokens is not None and t in self.bpe_tokens for t in tokens]
+        for i in range(len(tokens) - 1):
+            if is_continuation[i]:
+                scores[i + 1] += scores[i]
+                scores[i] = 0
+        words, word, is_bpe = [], "", False
+        for i, token in enumerate(tokens):
+            word += self.dictionary[token]
+            if is_continuation[i]:
+                word, is_bpe = word[:-self.bpe_suffix_length], True
+                continue
+            following = next((float(s) for s in scores[i + 1:] if s != 0), None)
+            words.append((word, float(scores[i]), following, is_bpe))
+            word, is_bpe = "", False
+        return words
 
 
 _active_tally: Optional[_ScoreTally] = None
@@ -297,7 +339,7 @@ class TallyingSequenceScorer(SequenceScorer):
     def generate(self, models, sample, **kwargs):
         hypos = super().generate(models, sample, **kwargs)
         if _active_tally is not None:
-            _active_tally.add(hypos)
+            _active_tally.add(hypos, sample["id"].tolist())
         return hypos
 
 
@@ -308,7 +350,9 @@ def eval_lm_over_data_parallel_groups(original_eval_lm):
     of D > 1 ranks, each rank's sum of log-probabilities and token count are
     all-reduced over that group, and the returned ``loss`` (base 2) and
     ``perplexity`` are those of the whole split, which fairseq-eval-lm then
-    logs. Before that, each rank checks that its own sum and count give the
+    logs; ``--output-word-probs`` and ``--output-word-stats`` print the words
+    of the whole split, as one process would (:func:`_log_words_of_the_group`).
+    Before that, each rank checks that its own sum and count give the
     loss fairseq computed for its shard (relative 1e-4: fairseq accumulates in
     float32, this tally in float64); if any rank's check fails or saw a
     non-finite score, every rank returns fairseq's own shard result with a
@@ -324,11 +368,16 @@ def eval_lm_over_data_parallel_groups(original_eval_lm):
     def eval_lm(models, source_dictionary, batch_iterator, *args, **kwargs):
         global _active_tally, _sharded_over
         group, _sharded_over = _sharded_over, None
+        word_output = {flag: bool(kwargs.get(flag)) for flag in ("output_word_probs", "output_word_stats")}
+        words_over_group = group is not None and any(word_output.values())
+        if words_over_group:  # printed below, for the whole group
+            kwargs.update(dict.fromkeys(word_output, False))
         tally = _ScoreTally(
             source_dictionary,  # eval_lm finds the BPE continuations in it
             kwargs.get("post_process"),
             kwargs.get("remove_bos_token", False),
             device=next(models[0].parameters()).device,
+            keep_words=words_over_group,
         )
         _active_tally = tally
         try:
@@ -336,6 +385,8 @@ def eval_lm_over_data_parallel_groups(original_eval_lm):
         finally:
             _active_tally = None
         count = tally.count
+        if words_over_group:
+            _log_words_of_the_group(tally.batches, group, **word_output)
         if group is not None:
             results, count = _sum_over_group(tally, results, group)
         if count == 0:
@@ -346,6 +397,56 @@ def eval_lm_over_data_parallel_groups(original_eval_lm):
         return results
 
     return eval_lm
+
+
+def _log_words_of_the_group(batches, group, output_word_probs: bool, output_word_stats: bool) -> None:
+    """Print the words of every rank's shard as ``fairseq_cli/eval_lm.py:eval_lm``
+    prints one process's: with its logger, its line formats, in its order.
+
+    fairseq's sharded iterator hands batch ``j * D + k`` of the single-process
+    order to rank ``k`` of the D ranks as its ``j``-th batch (the empty batches
+    that pad short shards come last, and are not scored), so taking the
+    gathered batches in turn restores that order. Only the group of
+    model-parallel rank 0 gathers: the ranks of the others do not print.
+
+    Args:
+        batches: this rank's :attr:`_ScoreTally.batches`.
+        group: the data-parallel group its shards were split over.
+    """
+    if parallel_state.get_tensor_model_parallel_rank() != 0:
+        return
+    destination = dist.get_global_rank(group, 0)
+    gathered = [None] * dist.get_world_size(group) if dist.get_rank() == destination else None
+    dist.gather_object(batches, gathered, dst=destination, group=group)
+    if gathered is None:
+        return
+    in_order = [shard[j] for j in range(max(map(len, gathered))) for shard in gathered if j < len(shard)]
+    cli_logger = logging.getLogger("fairseq_cli.eval_lm")
+    for line in word_lines(in_order, output_word_probs, output_word_stats):
+        cli_logger.info(line)
+
+
+def word_lines(batches, output_word_probs: bool, output_word_stats: bool) -> List[str]:
+    """The lines ``fairseq_cli/eval_lm.py:eval_lm`` logs for these batches
+    (:attr:`_ScoreTally.batches`, in order) with ``--output-word-probs``
+    (one per sample: its id, then ``word [log-prob]`` for each word) and
+    ``--output-word-stats`` (one per word, most frequent first, from
+    fairseq's ``WordStat``; summed in the same order and with the same types
+    as there, the next word's score as a float32 tensor, so the lines equal
+    fairseq's for the same scores)."""
+    from fairseq_cli.eval_lm import WordStat
+
+    lines, word_stats = [], {}
+    for batch in batches:
+        for sample_id, words in batch:
+            for word, log_prob, next_log_prob, is_bpe in words:
+                following = None if next_log_prob is None else torch.tensor(next_log_prob, dtype=torch.float32)
+                word_stats.setdefault(word, WordStat(word, is_bpe)).add(log_prob, following)
+            if output_word_probs:
+                lines.append(f"{sample_id} " + "\t".join(f"{w} [{p:2f}]" for w, p, _, _ in words))
+    if output_word_stats:
+        lines += [str(stat) for stat in sorted(word_stats.values(), key=lambda x: x.count, reverse=True)]
+    return lines
 
 
 def _sum_over_group(tally: _ScoreTally, results: Dict, group) -> Tuple[Dict, int]:

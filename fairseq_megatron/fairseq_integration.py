@@ -46,7 +46,8 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    once, by a whole group. fairseq-eval-lm's ``--context-window`` dataset
    crashed on uneven shards and gave wrong contexts once batches were split
    over shards or workers, and each group printed its own shard's
-   perplexity; :mod:`fairseq_megatron.eval_lm` fixes the three, and
+   perplexity (and words, with ``--output-word-probs`` or
+   ``--output-word-stats``); :mod:`fairseq_megatron.eval_lm` fixes the three, and
    refuses settings that leave no token to score (fairseq printed
    perplexity 1.00, or failed with ZeroDivisionError).
 6. :func:`_model_parallel_generate` -- ``fairseq-generate`` never started

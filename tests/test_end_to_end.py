@@ -967,25 +967,54 @@ def test_resuming_at_another_data_parallel_size_goes_on_with_the_epoch(trained, 
         assert all(abs(a - b) <= 1.1e-3 for a, b in zip(before + after, whole)), (name, before + after, whole)
 
 
+def word_output(log):
+    """fairseq-eval-lm's ``--output-word-probs`` lines as ``[(sample id, [(word, log-prob)])]``
+    and its ``--output-word-stats`` lines as ``[(word, count, log-prob sum, fields 3-5)]``."""
+    probs, stats = [], []
+    for message in re.findall(r"fairseq_cli\.eval_lm(?: \| |:)(.*)", log):  # fairseq's format, or Python's
+        fields = message.split("\t")
+        if re.fullmatch(r"\d+ .*", message):
+            first_id, first_word = fields[0].split(" ", 1)
+            words = [re.fullmatch(r"(.*) \[(\S+)\]", f).groups() for f in [first_word] + fields[1:]]
+            probs.append((int(first_id), [(w, float(p)) for w, p in words]))
+        elif len(fields) == 6 and fields[1].isdigit():
+            stats.append((fields[0], int(fields[1]), float(fields[2]), fields[3], float(fields[4]), int(fields[5])))
+    return probs, stats
+
+
 def test_eval_lm_over_two_data_parallel_groups(trained, tmp_path):
     """World size 4 at model-parallel size 2 (two data-parallel groups, each
     DataLoader with 2 workers, an odd number of batches) prints the loss of
     the whole test set, equal to one process's. Upstream this crashed
     (KeyError 'net_input' on the empty batch that pads the short shard), took
     each block's context from whichever batch its worker collated before,
-    and printed rank 0's shard only. Tolerance as in the size-2 test above."""
+    and printed rank 0's shard only; so did ``--output-word-probs`` and
+    ``--output-word-stats``, whose lines now give every sample and word of
+    the test set in one process's order. Tolerance as in the size-2 test
+    above; for a word's log-probability 1e-4, per occurrence in the
+    statistics' sums (fp32 rounding: on the demo checkpoint, size 1 against
+    world size 4 at size 2, at most 4e-6 in the 6 printed decimals)."""
     path = os.path.join(trained["ckpt"], "checkpoint_last.pt")
     merged = str(tmp_path / "model.pt")
     reshard(path, merged, 1)
-    _, one = fairseq("eval_lm", eval_args(trained["data"], merged, 1))
+    words = ["--output-word-probs", "--output-word-stats"]
+    _, one = fairseq("eval_lm", eval_args(trained["data"], merged, 1) + words)
     blocks = -(-evaluated_tokens(one) // 16)  # eval_args: 32 tokens per sample, 16 of them context
     batch_size = next(b for b in range(3, 20) if -(-blocks // b) % 2 == 1)
-    args = eval_args(trained["data"], path, 2) + ["--num-workers", "2"]
+    args = eval_args(trained["data"], path, 2) + ["--num-workers", "2"] + words
     args[args.index("--batch-size") + 1] = str(batch_size)
     _, four = fairseq("eval_lm", args, nproc=4)
     assert "2 data-parallel groups scored" in four, four[-3000:]
     assert evaluated_tokens(four) < evaluated_tokens(one)  # this rank's shard only: the data was split
     assert abs(eval_loss(four) - eval_loss(one)) <= 2e-4, (eval_loss(four), eval_loss(one))
+
+    (probs_one, stats_one), (probs_four, stats_four) = word_output(one), word_output(four)
+    assert len(probs_one) == blocks and sum(s[1] for s in stats_one) == evaluated_tokens(one), one[-3000:]
+    assert [(i, [w for w, _ in ws]) for i, ws in probs_four] == [(i, [w for w, _ in ws]) for i, ws in probs_one]
+    assert all(abs(p4 - p1) <= 1e-4 for (_, ws4), (_, ws1) in zip(probs_four, probs_one)
+               for (_, p4), (_, p1) in zip(ws4, ws1))
+    assert [(s[0], s[1], s[3], s[5]) for s in stats_four] == [(s[0], s[1], s[3], s[5]) for s in stats_one]
+    assert all(abs(s4[i] - s1[i]) <= 1e-4 * s1[1] for s4, s1 in zip(stats_four, stats_one) for i in (2, 4))
 
 
 def _valid_losses(log):

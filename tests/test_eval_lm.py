@@ -153,6 +153,44 @@ def test_tally_reproduces_fairseqs_loss(monkeypatch, post_process, remove_bos_to
         assert tally.count < all_tokens
 
 
+@pytest.mark.parametrize("post_process,remove_bos_token", [(None, False), (None, True), ("@@ ", False)])
+def test_word_lines_reproduce_fairseqs(monkeypatch, caplog, post_process, remove_bos_token):
+    """The ``--output-word-probs`` and ``--output-word-stats`` lines rebuilt
+    from the words the tally keeps equal, character for character, the
+    lines fairseq's own ``eval_lm`` logs for the same hypotheses (BPE
+    continuations joined into words, BOS removed). fairseq-eval-lm prints
+    these rebuilt lines for two or more data-parallel groups."""
+    import fairseq_cli.eval_lm as cli
+    from fairseq.sequence_scorer import SequenceScorer
+
+    from fairseq_megatron import eval_lm
+
+    dictionary = make_dictionary()
+    bpe_ids = [dictionary.add_symbol("ab@@"), dictionary.add_symbol("cd@@")]
+    gen = torch.Generator().manual_seed(1)
+    batches = [fake_hypos(dictionary, bpe_ids, gen) for _ in range(4)]
+    if remove_bos_token:
+        for h in batches:
+            for hypo in h:
+                hypo[0]["tokens"][0] = dictionary.bos()
+    samples = [{"net_input": {}, "ntokens": 1, "id": torch.arange(3 * b, 3 * b + 3), "hypos": h}
+               for b, h in enumerate(batches)]
+    monkeypatch.setattr(SequenceScorer, "generate", lambda self, models, sample: sample["hypos"])
+    tally = eval_lm._ScoreTally(dictionary, post_process, remove_bos_token, torch.device("cpu"), keep_words=True)
+    monkeypatch.setattr(eval_lm, "_active_tally", tally)
+    fairseq_eval_lm = getattr(cli.eval_lm, "__wrapped__", cli.eval_lm)
+    with caplog.at_level("INFO", logger="fairseq_cli.eval_lm"):
+        fairseq_eval_lm([torch.nn.Linear(1, 1)], dictionary, samples, post_process=post_process,
+                        output_word_probs=True, output_word_stats=True, target_dictionary=dictionary,
+                        remove_bos_token=remove_bos_token)
+    theirs = [r.getMessage() for r in caplog.records
+              if r.name == "fairseq_cli.eval_lm" and not r.getMessage().startswith("Evaluated")]
+    ours = eval_lm.word_lines(tally.batches, output_word_probs=True, output_word_stats=True)
+    assert len(ours) > 12 and ours == theirs  # 12 samples' lines, then one line per word
+    if post_process:  # words were joined from pieces
+        assert any(line.split("\t")[3] == "True" for line in ours[12:]), ours[12:]
+
+
 def _sum_worker(rank, world_size, log_prob_sums, counts, loss_offsets):
     import math
 

@@ -28,16 +28,45 @@ def _bad_dims_worker(rank, world_size):
         errors["size"] = None
     except UsageError as e:
         errors["size"] = str(e)
+    errors["fsdp"] = _fully_sharded_build_error(2)
     return {"tp": parallel_state.get_tensor_model_parallel_world_size(), "errors": errors}
 
 
+def _fully_sharded_build_error(model_parallel_size, **overrides):
+    """The error of building the model as fairseq-train ``--ddp-backend
+    fully_sharded`` does, inside fairscale's ``enable_wrap`` (None: built)."""
+    from fairscale.nn import FullyShardedDataParallel, enable_wrap
+
+    try:
+        with enable_wrap(wrapper_cls=FullyShardedDataParallel):
+            build_model(model_parallel_size, **overrides)
+    except UsageError as e:
+        return str(e)
+    return None
+
+
 def test_heads_and_ffn_must_divide_by_model_parallel_size(tmp_path):
+    """Also FSDP (``--ddp-backend fully_sharded``) at size 2: fairseq-train
+    would shard the model parts over the data-parallel ranks, which the
+    gradient norm and the part files do not expect."""
     results = run_distributed(_bad_dims_worker, 2, tmp_path)
     for r in results:
         assert r["tp"] == 2
         assert r["errors"]["heads"] == "--decoder-attention-heads 3 is not divisible by --model-parallel-size 2"
         assert r["errors"]["ffn"] == "--decoder-ffn-embed-dim 129 is not divisible by --model-parallel-size 2"
         assert "configured for model-parallel size 1" in r["errors"]["size"]
+        assert r["errors"]["fsdp"].startswith("--ddp-backend fully_sharded does not work with --model-parallel-size 2")
+
+
+def test_fully_sharded_on_cpu_is_refused_in_one_line():
+    """fairscale's FSDP on CPU failed with an AssertionError traceback
+    ("Torch not compiled with CUDA enabled"); outside FSDP's wrap the same
+    arguments build."""
+    assert _fully_sharded_build_error(1, cpu=True) == (
+        "--ddp-backend fully_sharded needs CUDA GPUs (fairscale's FSDP); on CPU use --ddp-backend pytorch_ddp "
+        "(the default), no_c10d or legacy_ddp")
+    model, _ = build_model(1, cpu=True)
+    assert sum(p.numel() for p in model.parameters()) > 0
 
 
 def test_heads_must_divide_the_embedding_and_the_vocabulary_must_fit():

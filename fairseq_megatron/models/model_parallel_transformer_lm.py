@@ -103,6 +103,32 @@ def pad_dictionary(dictionary, model_parallel_size: int, padded_vocab_size: Opti
     return len(dictionary)
 
 
+def _refuse_fully_sharded_data_parallel(model_parallel_size: int, cpu: bool) -> None:
+    """fairseq-train ``--ddp-backend fully_sharded`` builds the model inside
+    fairscale's ``enable_wrap`` (``fairseq/distributed/fully_sharded_data_parallel.py``)
+    to wrap it in FSDP, which flattens the parameters and shards them over the
+    data-parallel ranks. At model-parallel size > 1 the gradient norm
+    (:mod:`fairseq_megatron.grad_norm`: each parameter's rule found by name,
+    summed over the model-parallel group only) and the model part files
+    expect every rank to hold its whole part, so that is refused; on CPU
+    fairscale's FSDP fails with "Torch not compiled with CUDA enabled".
+
+    Raises:
+        UsageError: either case.
+    """
+    from fairscale.nn.wrap.auto_wrap import ConfigAutoWrap
+
+    if not ConfigAutoWrap.in_autowrap_context:
+        return
+    others = "use --ddp-backend pytorch_ddp (the default), no_c10d or legacy_ddp"
+    if model_parallel_size > 1:
+        raise UsageError(f"--ddp-backend fully_sharded does not work with --model-parallel-size "
+                         f"{model_parallel_size} (FSDP would shard the model parts over the data-parallel "
+                         f"ranks); {others}")
+    if cpu or not torch.cuda.is_available():
+        raise UsageError(f"--ddp-backend fully_sharded needs CUDA GPUs (fairscale's FSDP); on CPU {others}")
+
+
 @take_over_model("model_parallel_transformer_lm")
 class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
     """Decoder-only LM whose layers are split across the tensor-model-parallel group.
@@ -206,6 +232,7 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
                 f"--cuda-graphs with --update-freq {accumulated}: a CUDA graph replay would overwrite "
                 "the gradients being accumulated; use --update-freq 1 (a larger --batch-size instead)"
             )
+        _refuse_fully_sharded_data_parallel(group_size, cpu=safe_getattr(args, "cpu", False))
         if args.character_embeddings or args.adaptive_input or args.adaptive_softmax_cutoff:
             raise NotImplementedError(
                 "character embeddings, adaptive input and adaptive softmax are not model parallel"

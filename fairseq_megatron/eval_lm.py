@@ -439,7 +439,7 @@ def word_lines(batches, output_word_probs: bool, output_word_stats: bool) -> Lis
     lines, word_stats = [], {}
     for batch in batches:
         for sample_id, words in batch:
-            for word, log_prob, next_log_prob, is_bpe in words:
+            for word, log_prob, next_log_prob, is_bpe in words if output_word_stats else ():
                 following = None if next_log_prob is None else torch.tensor(next_log_prob, dtype=torch.float32)
                 word_stats.setdefault(word, WordStat(word, is_bpe)).add(log_prob, following)
             if output_word_probs:

@@ -115,6 +115,36 @@ def fake_hypos(dictionary, bpe_ids, gen):
     return hypos
 
 
+def run_fairseqs_eval_lm(monkeypatch, post_process, remove_bos_token, seed, keep_words=False, **flags):
+    """fairseq's own ``eval_lm`` (unwrapped) over 4 batches of :func:`fake_hypos`
+    through a stubbed scorer, feeding a new tally: ``(tally, fairseq's result,
+    tokens in all hypotheses)``. With ``remove_bos_token`` each hypothesis
+    starts with BOS (fairseq asserts it)."""
+    import fairseq_cli.eval_lm as cli
+    from fairseq.sequence_scorer import SequenceScorer
+
+    from fairseq_megatron import eval_lm
+
+    dictionary = make_dictionary()
+    bpe_ids = [dictionary.add_symbol("ab@@"), dictionary.add_symbol("cd@@")]
+    gen = torch.Generator().manual_seed(seed)
+    batches = [fake_hypos(dictionary, bpe_ids, gen) for _ in range(4)]
+    if remove_bos_token:
+        for h in batches:
+            for hypo in h:
+                hypo[0]["tokens"][0] = dictionary.bos()
+    samples = [{"net_input": {}, "ntokens": 1, "id": torch.arange(3 * b, 3 * b + 3), "hypos": h}
+               for b, h in enumerate(batches)]
+    monkeypatch.setattr(SequenceScorer, "generate", lambda self, models, sample: sample["hypos"])
+    assert cli.SequenceScorer is eval_lm.TallyingSequenceScorer  # installed by the plugin
+    tally = eval_lm._ScoreTally(dictionary, post_process, remove_bos_token, torch.device("cpu"), keep_words)
+    monkeypatch.setattr(eval_lm, "_active_tally", tally)
+    fairseq_eval_lm = getattr(cli.eval_lm, "__wrapped__", cli.eval_lm)
+    result = fairseq_eval_lm([torch.nn.Linear(1, 1)], dictionary, samples, post_process=post_process,
+                             target_dictionary=dictionary, remove_bos_token=remove_bos_token, **flags)
+    return tally, result, sum(hypo[0]["tokens"].numel() for h in batches for hypo in h)
+
+
 @pytest.mark.parametrize("post_process,remove_bos_token", [(None, False), (None, True), ("@@ ", False)])
 def test_tally_reproduces_fairseqs_loss(monkeypatch, post_process, remove_bos_token):
     """The sum and count the tally rebuilds from the scorer's hypotheses give
@@ -123,33 +153,11 @@ def test_tally_reproduces_fairseqs_loss(monkeypatch, post_process, remove_bos_to
     relative: fairseq sums in float32, the tally in float64."""
     import math
 
-    import fairseq_cli.eval_lm as cli
-    from fairseq.sequence_scorer import SequenceScorer
-
-    from fairseq_megatron import eval_lm
-
-    dictionary = make_dictionary()
-    bpe_ids = [dictionary.add_symbol("ab@@"), dictionary.add_symbol("cd@@")]
-    gen = torch.Generator().manual_seed(0)
-    batches = [fake_hypos(dictionary, bpe_ids, gen) for _ in range(4)]
-    samples = [{"net_input": {}, "ntokens": 1, "id": torch.arange(3), "hypos": h} for h in batches]
-    monkeypatch.setattr(SequenceScorer, "generate", lambda self, models, sample: sample["hypos"])
-    assert cli.SequenceScorer is eval_lm.TallyingSequenceScorer  # installed by the plugin
-
-    tally = eval_lm._ScoreTally(dictionary, post_process, remove_bos_token, torch.device("cpu"))
-    monkeypatch.setattr(eval_lm, "_active_tally", tally)
-    if remove_bos_token:  # fairseq asserts the first token is BOS
-        for h in batches:
-            for hypo in h:
-                hypo[0]["tokens"][0] = dictionary.bos()
-    fairseq_eval_lm = getattr(cli.eval_lm, "__wrapped__", cli.eval_lm)
-    result = fairseq_eval_lm([torch.nn.Linear(1, 1)], dictionary, samples, post_process=post_process,
-                             target_dictionary=dictionary, remove_bos_token=remove_bos_token)
+    tally, result, all_tokens = run_fairseqs_eval_lm(monkeypatch, post_process, remove_bos_token, seed=0)
     assert tally.count > 0 and tally.non_finite.item() == 0
     tally_loss = -tally.log_prob_sum.item() / tally.count / math.log(2)
     assert tally_loss == pytest.approx(float(result["loss"]), rel=1e-6)
     if post_process:  # continuations were there to skip
-        all_tokens = sum(hypo[0]["tokens"].numel() for h in batches for hypo in h)
         assert tally.count < all_tokens
 
 
@@ -160,29 +168,11 @@ def test_word_lines_reproduce_fairseqs(monkeypatch, caplog, post_process, remove
     lines fairseq's own ``eval_lm`` logs for the same hypotheses (BPE
     continuations joined into words, BOS removed). fairseq-eval-lm prints
     these rebuilt lines for two or more data-parallel groups."""
-    import fairseq_cli.eval_lm as cli
-    from fairseq.sequence_scorer import SequenceScorer
-
     from fairseq_megatron import eval_lm
 
-    dictionary = make_dictionary()
-    bpe_ids = [dictionary.add_symbol("ab@@"), dictionary.add_symbol("cd@@")]
-    gen = torch.Generator().manual_seed(1)
-    batches = [fake_hypos(dictionary, bpe_ids, gen) for _ in range(4)]
-    if remove_bos_token:
-        for h in batches:
-            for hypo in h:
-                hypo[0]["tokens"][0] = dictionary.bos()
-    samples = [{"net_input": {}, "ntokens": 1, "id": torch.arange(3 * b, 3 * b + 3), "hypos": h}
-               for b, h in enumerate(batches)]
-    monkeypatch.setattr(SequenceScorer, "generate", lambda self, models, sample: sample["hypos"])
-    tally = eval_lm._ScoreTally(dictionary, post_process, remove_bos_token, torch.device("cpu"), keep_words=True)
-    monkeypatch.setattr(eval_lm, "_active_tally", tally)
-    fairseq_eval_lm = getattr(cli.eval_lm, "__wrapped__", cli.eval_lm)
     with caplog.at_level("INFO", logger="fairseq_cli.eval_lm"):
-        fairseq_eval_lm([torch.nn.Linear(1, 1)], dictionary, samples, post_process=post_process,
-                        output_word_probs=True, output_word_stats=True, target_dictionary=dictionary,
-                        remove_bos_token=remove_bos_token)
+        tally, _, _ = run_fairseqs_eval_lm(monkeypatch, post_process, remove_bos_token, seed=1, keep_words=True,
+                                           output_word_probs=True, output_word_stats=True)
     theirs = [r.getMessage() for r in caplog.records
               if r.name == "fairseq_cli.eval_lm" and not r.getMessage().startswith("Evaluated")]
     ours = eval_lm.word_lines(tally.batches, output_word_probs=True, output_word_stats=True)

@@ -24,6 +24,7 @@ setup(
         "console_scripts": [
             "fairseq-megatron-reshard = fairseq_megatron.cli.reshard_checkpoint:main",
             "fairseq-megatron-plan = fairseq_megatron.cli.plan_parallelism:main",
+            "fairseq-megatron-hydra-train = fairseq_megatron.cli.hydra_train:main",
         ]
     },
 )

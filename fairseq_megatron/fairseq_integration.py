@@ -1242,11 +1242,16 @@ def _fairseq_tool() -> Optional[str]:
     """The fairseq command-line tool this process runs, by its module name
     (``eval_lm`` for ``python -m fairseq_cli.eval_lm`` or the
     ``fairseq-eval-lm`` script); None in a Python program that imported the
-    package."""
+    package. ``fairseq-megatron-hydra-train`` (or ``python -m
+    fairseq_megatron.cli.hydra_train``) counts as fairseq's hydra_train."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.name.startswith("fairseq_cli."):
         return spec.name[len("fairseq_cli."):]
+    if spec is not None and spec.name == "fairseq_megatron.cli.hydra_train":
+        return "hydra_train"
     script = os.path.basename(sys.argv[0] if sys.argv else "")
+    if script == "fairseq-megatron-hydra-train":
+        return "hydra_train"
     return script[len("fairseq-"):].replace("-", "_") if script.startswith("fairseq-") else None
 
 

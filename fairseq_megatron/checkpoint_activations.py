@@ -50,6 +50,7 @@ def checkpoint_wrapper(module: nn.Module) -> nn.Module:
     Without autograd (eval, generation) it runs normally.
     """
     module.forward = functools.partial(_checkpointed_forward, module.forward)
+    _record_wrapper(module, checkpoint_wrapper)
     return module
 
 
@@ -89,4 +90,26 @@ def compile_for_training(module: nn.Module, backend: str = "inductor") -> nn.Mod
         return run(x, encoder_out, encoder_padding_mask, incremental_state, **kwargs)
 
     module.forward = forward
+    _record_wrapper(module, compile_for_training, backend=backend)
     return module
+
+
+def _record_wrapper(module: nn.Module, wrapper, **kwargs) -> None:
+    vars(module).setdefault("_forward_wrappers", []).append((wrapper, kwargs))
+
+
+def rewrap_forward(copied: nn.Module) -> None:
+    """Give ``copied``, a ``copy.deepcopy`` of a module wrapped by
+    :func:`compile_for_training` and/or :func:`checkpoint_wrapper`, wrappers
+    of its own, applied in the original's order.
+
+    The wrappers replace ``module.forward`` by functions bound to that
+    module, and deepcopy keeps a function as it is: the copy's forward would
+    run the original module, with the original's weights (a copy made for
+    fairseq's ``--store-ema``, or by a user). Modules without wrappers are
+    left alone."""
+    wrappers = vars(copied).pop("_forward_wrappers", [])
+    if wrappers:
+        del vars(copied)["forward"]
+    for wrap, kwargs in wrappers:
+        wrap(copied, **kwargs)

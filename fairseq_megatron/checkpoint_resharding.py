@@ -46,6 +46,11 @@ from fairseq_megatron.checkpoint_layout import (
 
 PART_SUFFIX = "-model_part-{}"
 EMBED_KEYS = ("decoder.embed_tokens.weight", "decoder.output_projection.weight")
+# The entries of ``extra_state`` that fairseq-train ``--store-ema`` writes
+# (``fairseq/trainer.py``): the EMA model's state dict and, with
+# ``--ema-fp32``, fp32 copies of it; both keyed like the model's state dict,
+# so they are split and joined by the same rules.
+EMA_STATE_DICTS = ("ema", "ema_fp32_params")
 
 
 # ------------------------------------------------------------------ names
@@ -291,7 +296,8 @@ class PartFiles:
         if self.mmap:
             self._kept = None
         else:
-            self._kept = loaded if with_optimizer else [{"model": state["model"]} for state in loaded]
+            self._kept = loaded if with_optimizer else [
+                {"model": state["model"], "extra_state": state.get("extra_state")} for state in loaded]
         del loaded
         self.metadata = {k: v for k, v in first.items() if k != "model"}
         self.aliases = tied_keys(first["model"])
@@ -301,6 +307,12 @@ class PartFiles:
     def __len__(self):
         return len(self.files)
 
+    @property
+    def ema_entries(self) -> List[str]:
+        """The :data:`EMA_STATE_DICTS` that part 0 holds (fairseq-train ``--store-ema``)."""
+        extra_state = self.metadata.get("extra_state") or {}
+        return [entry for entry in EMA_STATE_DICTS if extra_state.get(entry) is not None]
+
     def checkpoints(self) -> List[dict]:
         """Every part's checkpoint dict, tensors memory-mapped."""
         if self._kept is not None:
@@ -309,6 +321,23 @@ class PartFiles:
 
     def models(self) -> List[Dict[str, torch.Tensor]]:
         return [state["model"] for state in self.checkpoints()]
+
+    def state_dicts(self, entry: Optional[str] = None) -> List[Dict[str, torch.Tensor]]:
+        """Every part's model state dict, or with ``entry`` (one of
+        :data:`EMA_STATE_DICTS`) that state dict of its ``extra_state``.
+
+        Raises:
+            CheckpointError: a part lacks ``entry``.
+        """
+        if entry is None:
+            return self.models()
+        found = []
+        for f, state in zip(self.files, self.checkpoints()):
+            value = (state.get("extra_state") or {}).get(entry)
+            if value is None:
+                raise CheckpointError(f"{f} holds no {entry!r} state dict, but {self.files[0]} does")
+            found.append(value)
+        return found
 
     @staticmethod
     def release() -> None:
@@ -395,28 +424,46 @@ def _check_replicas(what: str, tensors: List[torch.Tensor]) -> None:
 
 
 def _model_part(parts: PartFiles, rank: int, num_parts: int, check_replicas: bool,
-                progress: Optional[Callable[[str], None]]) -> Dict[str, torch.Tensor]:
+                progress: Optional[Callable[[str], None]], entry: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    """The model state dict of part ``rank`` of ``num_parts``, layer by layer;
+    with ``entry``, that state dict of ``extra_state`` instead (see
+    :meth:`PartFiles.state_dicts`).
+
+    Raises:
+        CheckpointError: a replicated tensor differs between parts (checked
+            with ``check_replicas``); parts hold different ``entry`` keys.
+    """
+    if entry is None:
+        keys, aliases = parts.keys, parts.aliases
+    else:
+        first = parts.state_dicts(entry)
+        keys, aliases = list(first[0].keys()), tied_keys(first[0])
+        for f, state_dict in zip(parts.files, first):
+            if list(state_dict.keys()) != keys:
+                raise CheckpointError(f"{f} holds different {entry!r} tensors than {parts.files[0]}")
+        del first
+    what = "replicated tensor" if entry is None else f"replicated {entry!r} tensor"
     out: Dict[str, torch.Tensor] = {}
-    for group in layer_groups(parts.keys):
-        models, tensors = parts.models(), []
+    for group in layer_groups(keys):
+        state_dicts, tensors = parts.state_dicts(entry), []
         for key in group:
-            if key in parts.aliases:
+            if key in aliases:
                 continue
-            tensors = [m[key] for m in models]
+            tensors = [m[key] for m in state_dicts]
             dim = partition_dim(key)
             if dim is None:
                 if check_replicas:
-                    _check_replicas(f"replicated tensor {key}", tensors)
+                    _check_replicas(f"{what} {key}", tensors)
                 out[key] = tensors[0].clone()
             else:
                 out[key] = slice_for_part(tensors, dim, rank, num_parts)
-        del models, tensors
+        del state_dicts, tensors
         parts.release()
         if progress:
             progress(group[0])
-    for key, target in parts.aliases.items():
+    for key, target in aliases.items():
         out[key] = out[target]
-    return OrderedDict((k, out[k]) for k in parts.keys)
+    return OrderedDict((k, out[k]) for k in keys)
 
 
 def _optimizer_part(parts: PartFiles, rank: int, num_parts: int, check_replicas: bool,
@@ -489,14 +536,21 @@ def _part_numel(tensor: torch.Tensor, key: str, num_inputs: int, num_outputs: in
 
 def _metadata_for_size(metadata: dict) -> dict:
     """Part 0's entries besides the model, for a checkpoint of another size:
-    without the optimizer state (:func:`_optimizer_part` builds each part's)
-    and without the per-rank RNG tracker states (a rank of the new size has
-    no counterpart; it is seeded afresh)."""
+    without the optimizer state (:func:`_optimizer_part` builds each part's),
+    without the EMA state dicts (:func:`_model_part` builds each part's) and
+    without the per-rank RNG tracker states (a rank of the new size has no
+    counterpart; it is seeded afresh)."""
     state = {k: v for k, v in metadata.items() if k != "last_optimizer_state"}
-    state["extra_state"] = {
-        k: v for k, v in (state.get("extra_state") or {}).items() if k != "rng_tracker_states"
-    }
+    state["extra_state"] = without_part_specific_state(state.get("extra_state"))
     return state
+
+
+def without_part_specific_state(extra_state: Optional[dict]) -> dict:
+    """``extra_state`` of one part without what only that part's model can
+    use: the EMA state dicts (:data:`EMA_STATE_DICTS`) and the per-rank RNG
+    tracker states."""
+    dropped = ("rng_tracker_states", *EMA_STATE_DICTS)
+    return {k: v for k, v in (extra_state or {}).items() if k not in dropped}
 
 
 def _prepare(input_path: str, output_path: str, outputs: List[str], with_optimizer: bool = False,
@@ -512,24 +566,28 @@ def _prepare(input_path: str, output_path: str, outputs: List[str], with_optimiz
 
 def _part_state(parts: PartFiles, rank: int, size: int, check_replicas: bool, with_optimizer: bool = False,
                 progress: Optional[Callable[[str], None]] = None) -> dict:
-    """Checkpoint dict of model part ``rank`` of ``size``: weights, config
-    recording the new size and padded vocabulary, and the optimizer state
-    if ``with_optimizer``."""
+    """Checkpoint dict of model part ``rank`` of ``size``: weights (and the
+    EMA weights of ``--store-ema``), config recording the new size and padded
+    vocabulary, and the optimizer state if ``with_optimizer``."""
     state = _metadata_for_size(parts.metadata)
     state["model"] = _model_part(parts, rank, size, check_replicas, progress)
+    for entry in parts.ema_entries:
+        state["extra_state"][entry] = _model_part(parts, rank, size, check_replicas, progress, entry)
     if with_optimizer:
         state["last_optimizer_state"] = _optimizer_part(parts, rank, size, check_replicas, progress)
     set_model_parallel_size(state, size, parts.padded_vocab_size)
     return state
 
 
-def resharded_model(input_path: str, rank: int, size: int) -> Tuple[Dict[str, torch.Tensor], int]:
+def resharded_model(input_path: str, rank: int, size: int,
+                    entry: Optional[str] = None) -> Tuple[Dict[str, torch.Tensor], int]:
     """The model state dict of part ``rank`` of ``size``, built in memory from
     checkpoint ``input_path`` saved at any model-parallel size, and the padded
     vocabulary size a model must be built with to take it (record it with
     :func:`set_model_parallel_size`). The same tensors :func:`reshard` would
     write; nothing is written to disk. Memory: this part's tensors plus one
-    memory-mapped layer of the input.
+    memory-mapped layer of the input. ``entry``: one of
+    :data:`EMA_STATE_DICTS` instead of the model's state dict.
 
     Raises:
         FileNotFoundError / CheckpointError: as :func:`reshard`, or a
@@ -539,7 +597,7 @@ def resharded_model(input_path: str, rank: int, size: int) -> Tuple[Dict[str, to
     check_divisible(model_config(parts.metadata), parts.padded_vocab_size, size)
     if not 0 <= rank < size:
         raise CheckpointError(f"model part {rank} does not exist at model-parallel size {size}")
-    model = _model_part(parts, rank, size, check_replicas=True, progress=None)
+    model = _model_part(parts, rank, size, check_replicas=True, progress=None, entry=entry)
     parts.release()
     return model, parts.padded_vocab_size
 
@@ -549,7 +607,8 @@ def reshard(input_path: str, output_path: str, new_size: int, verify: bool = Tru
             parts: Optional[PartFiles] = None) -> List[str]:
     """Rewrite checkpoint ``input_path`` (any model-parallel size) for size ``new_size``.
 
-    The model weights, and with ``with_optimizer`` the optimizer state
+    The model weights (and the EMA weights of fairseq-train ``--store-ema``,
+    split the same way), and with ``with_optimizer`` the optimizer state
     (Adam's moments split like their parameters, see :func:`_optimizer_part`),
     so that ``fairseq-train --restore-file`` resumes from the output at the
     new size as if it had not stopped; without it, resume with

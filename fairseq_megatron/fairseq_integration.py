@@ -143,7 +143,11 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    A ``--restore-file`` (or, on a first launch, ``--continue-once``) that
    names no checkpoint, or a ``--finetune-from-model`` directory, made
    fairseq train from scratch and save over the save dir's
-   ``checkpoint_last``; it now stops the run.
+   ``checkpoint_last``; it now stops the run. With ``--store-ema`` the EMA
+   weights of a checkpoint of another size are resharded in memory with the
+   weights (every rank got part 0's: a size mismatch), and a checkpoint
+   without EMA weights starts the EMA from its weights (fairseq meant to,
+   but read them after deleting them: ``KeyError: 'model'``).
 16. :func:`_broadcast_from_a_rank_of_the_group` -- with several data-parallel
    groups the trainer reads a checkpoint on each group's first rank and
    sends it to the others with fairseq's ``broadcast_object(state,
@@ -995,17 +999,23 @@ def _refuse_one_part_as(flag: str, path: str) -> None:
                          f"{flag} {checkpoint} (fairseq adds -model_part-K for each rank)")
 
 
-def _resharded_state(path: str, files: list, arg_overrides=None):
+def _resharded_state(path: str, files: list, arg_overrides=None, with_ema: bool = False):
     """This rank's part of checkpoint ``path`` (saved at another
     model-parallel size in ``files``), built in memory, in the form fairseq's
     ``load_checkpoint_to_cpu(files[0], arg_overrides)`` returns (overrides
     applied, old formats upgraded; the config records this size); None for a
     checkpoint of another architecture. The optimizer state, another size's,
-    is dropped."""
+    is dropped, and so are part 0's EMA weights (``with_ema``: this rank's
+    part of them is built too, for fairseq-train ``--store-ema``) and RNG
+    tracker states."""
     from fairseq import checkpoint_utils
 
     from fairseq_megatron import parallel_state
-    from fairseq_megatron.checkpoint_resharding import resharded_model, set_model_parallel_size
+    from fairseq_megatron.checkpoint_resharding import (
+        resharded_model,
+        set_model_parallel_size,
+        without_part_specific_state,
+    )
 
     state = checkpoint_utils.load_checkpoint_to_cpu(files[0], arg_overrides)
     if not _is_model_parallel_lm(state):
@@ -1017,6 +1027,23 @@ def _resharded_state(path: str, files: list, arg_overrides=None):
     state["model"], padded_vocab_size = resharded_model(path, rank, size)
     set_model_parallel_size(state, size, padded_vocab_size)
     state.pop("last_optimizer_state", None)
+    had_ema = (state.get("extra_state") or {}).get("ema") is not None
+    state["extra_state"] = without_part_specific_state(state.get("extra_state"))
+    if with_ema and had_ema:
+        state["extra_state"]["ema"], _ = resharded_model(path, rank, size, entry="ema")
+    return state
+
+
+def _ema_from_the_weights(state: dict, path: str) -> dict:
+    """fairseq-train ``--store-ema`` on from a checkpoint without EMA weights
+    means to start the EMA from the weights it loads ("EMA is re-initialized
+    from checkpoint"), but reads them after deleting them: ``KeyError:
+    'model'`` (``fairseq/trainer.py``, ``load_checkpoint``). It now gets the
+    weights as the EMA weights. Changes and returns ``state``."""
+    extra_state = state.get("extra_state")
+    if extra_state is not None and extra_state.get("ema") is None:
+        logger.info(f"{path} holds no EMA weights: the EMA (--store-ema) starts from its weights")
+        extra_state["ema"] = state["model"]
     return state
 
 
@@ -1147,10 +1174,15 @@ def _training_from_checkpoints_at_another_size() -> None:
         except FileNotFoundError:
             return load(filename)  # no checkpoint at all: fairseq starts from scratch
         check_complete(files)  # each rank checks every part before any rank loads one
+        store_ema = self.cfg.ema.store_ema
         if len(files) == size and PathManager.isfile(filename):
             rows, symbols = saved_vocabulary(filename)
             check_vocabulary(self, rows and rows * size, symbols, path, size)
-            return load(filename)
+            if not store_ema:
+                return load(filename)
+            with _checkpoint_read_as(filename, lambda: _ema_from_the_weights(
+                    checkpoint_utils.load_checkpoint_to_cpu(filename), filename)):
+                return load(filename)
         check_part_count(path, files)  # parts lost are not another size
         if not reset_optimizer:
             raise UsageError(
@@ -1169,14 +1201,14 @@ def _training_from_checkpoints_at_another_size() -> None:
         check_vocabulary(self, rows and rows * len(files), symbols, path, size)
 
         def this_ranks_part():
-            state = _resharded_state(path, files)
+            state = _resharded_state(path, files, with_ema=store_ema)
             if state is None:
                 raise UsageError(f"{path} does not hold a model-parallel transformer LM of fairseq_megatron: "
                                  f"it cannot be split into model parts")
             # rows unknown above for files saved by PyTorch < 1.6 (not memory-mapped)
             check_vocabulary(self, state["model"]["decoder.embed_tokens.weight"].size(0) * size,
                              config_value(model_config(state), "dictionary_size"), path, size)
-            return state
+            return _ema_from_the_weights(state, path) if store_ema else state
 
         with _checkpoint_read_as(files[0], this_ranks_part):  # fairseq logs the name files[0]
             return load(files[0])

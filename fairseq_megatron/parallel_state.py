@@ -17,6 +17,7 @@ and pass it to the communication functions in
 :mod:`fairseq_megatron.modules.mappings`; nothing deeper reads globals.
 """
 
+import copy
 from typing import Optional
 
 import torch.distributed as dist
@@ -145,3 +146,25 @@ DEFAULT_GROUP = _DefaultGroup()
 def resolve_group(group) -> ProcessGroup:
     """``group`` itself, or this rank's tensor-model-parallel group for :data:`DEFAULT_GROUP`."""
     return get_tensor_model_parallel_group() if group is DEFAULT_GROUP else group
+
+
+class SharesProcessGroupsWhenCopied:
+    """Mixin for ``nn.Module`` classes that keep a process group as an attribute.
+
+    ``copy.deepcopy`` of a model built from them failed with "cannot pickle
+    'ProcessGroup' object": fairseq-train ``--store-ema`` copies the whole
+    model (``fairseq/models/ema/ema.py``), at any model-parallel size > 1 and
+    under any distributed launch. A copy now shares the group (a handle to
+    the communicator of the same ranks: it lives in the same process and
+    holds the same part); everything else is deep-copied as for any
+    ``nn.Module`` (new parameters, buffers and submodules).
+    """
+
+    def __deepcopy__(self, memo):
+        for value in vars(self).values():
+            if isinstance(value, dist.ProcessGroup):
+                memo[id(value)] = value
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(vars(self), memo))
+        return copied

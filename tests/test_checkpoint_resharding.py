@@ -5,6 +5,7 @@ weights are bitwise the same at every size; only the order of the fp32 sums
 in row-parallel layers and the gathered vocabulary changes (~1e-6).
 """
 
+import copy
 import os
 import re
 import subprocess
@@ -65,7 +66,7 @@ def optimizer_states(names, moments, num_parts, layout):
     return states
 
 
-def save_checkpoint(path, num_parts, style="cfg", seed=0, legacy_format=False, optimizer="placeholder"):
+def save_checkpoint(path, num_parts, style="cfg", seed=0, legacy_format=False, optimizer="placeholder", ema=False):
     """A checkpoint as fairseq-train writes it at ``num_parts`` model parts.
 
     The weights come from a model built at size 2 in this process (so the
@@ -73,7 +74,10 @@ def save_checkpoint(path, num_parts, style="cfg", seed=0, legacy_format=False, o
     ``legacy_format``: saved as PyTorch < 1.6 did (not a zip archive).
     ``optimizer``: ``"per-parameter"`` or ``"flat"`` writes Adam moments
     (see :func:`optimizer_states`) and returns them with the weights,
-    ``None`` no optimizer state; the default a placeholder.
+    ``None`` no optimizer state; the default a placeholder. ``ema``: also
+    the EMA state dicts of fairseq-train ``--store-ema --ema-fp32`` (an EMA
+    model with other weights, tied like the model's), returned as
+    ``(weights, EMA weights)``.
     """
     import fairseq_megatron.parallel_state as ps
 
@@ -87,6 +91,13 @@ def save_checkpoint(path, num_parts, style="cfg", seed=0, legacy_format=False, o
                 p.add_(torch.randn_like(p) * 0.1)
     args.model_parallel_size = num_parts
     full = model.state_dict()
+    if ema:
+        ema_model = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in ema_model.parameters():
+                p.mul_(0.5).add_(0.25)
+        ema_full = ema_model.state_dict()
+        ema_parts = split_model_state(ema_full, num_parts)
     names = [n for n, _ in model.named_parameters()]  # the order fairseq's trainer gives the optimizer
     generator = torch.Generator().manual_seed(seed + 100)
     moments = {n: (torch.randn(p.shape, generator=generator), torch.rand(p.shape, generator=generator))
@@ -103,6 +114,9 @@ def save_checkpoint(path, num_parts, style="cfg", seed=0, legacy_format=False, o
         }
         if optimizer_state[rank] is not None:
             state["last_optimizer_state"] = optimizer_state[rank]
+        if ema:
+            state["extra_state"]["ema"] = ema_parts[rank]
+            state["extra_state"]["ema_fp32_params"] = {k: v.clone() for k, v in ema_parts[rank].items()}
         if style == "cfg":
             state["cfg"] = {"common": {"model_parallel_size": num_parts}, "model": Namespace(**vars(args))}
         else:
@@ -110,7 +124,7 @@ def save_checkpoint(path, num_parts, style="cfg", seed=0, legacy_format=False, o
         torch.save(state, out, _use_new_zipfile_serialization=not legacy_format)
     if optimizer in ("per-parameter", "flat"):
         return full, names, moments
-    return full
+    return (full, ema_full) if ema else full
 
 
 def _models(path):
@@ -229,6 +243,47 @@ def test_optimizer_states_that_cannot_be_resharded(tmp_path):
     state["last_optimizer_state"]["state"][0]["exp_avg"] = state["last_optimizer_state"]["state"][0]["exp_avg"][1:]
     torch.save(state, part_path(path, 0))
     refused(f"{part_path(path, 0)}: flat optimizer state 'exp_avg' has [0-9]+ elements, the parameters [0-9]+")
+
+
+@pytest.mark.parametrize("legacy_format", [False, True])
+def test_ema_weights_reshard_like_the_weights(tmp_path, legacy_format):
+    """fairseq-train ``--store-ema`` keeps the EMA model's state dict (and
+    with ``--ema-fp32`` fp32 copies) in each part's ``extra_state``: 2 -> 1
+    gives the whole EMA model, 1 -> 4 -> 2 the original parts, bitwise. Before,
+    every output part got part 0's EMA tensors."""
+    src = str(tmp_path / "src" / "model.pt")
+    os.makedirs(os.path.dirname(src))
+    full, ema_full = save_checkpoint(src, 2, ema=True, legacy_format=legacy_format)
+    one, four, back = (str(tmp_path / d / "model.pt") for d in ("one", "four", "back"))
+    reshard(src, one, 1)
+    reshard(one, four, 4)
+    reshard(four, back, 2)
+
+    whole = torch.load(one, weights_only=False)
+    for entry in ("ema", "ema_fp32_params"):
+        merged = whole["extra_state"][entry]
+        assert list(merged) == list(ema_full)
+        for key in ema_full:
+            assert torch.equal(merged[key], ema_full[key]), (entry, key)
+    # the EMA weights are not the weights (which the round trip test covers)
+    assert not torch.equal(ema_full["decoder.layers.0.fc1.weight"], full["decoder.layers.0.fc1.weight"])
+    ema = whole["extra_state"]["ema"]  # the tied output projection stays one tensor
+    assert ema["decoder.output_projection.weight"].data_ptr() == ema["decoder.embed_tokens.weight"].data_ptr()
+    assert [torch.load(f, weights_only=False)["extra_state"]["ema"]["decoder.embed_tokens.weight"].shape
+            for f in find_part_files(four)] == [(16, 32)] * 4
+
+    for rank, f in enumerate(find_part_files(four)):  # built in memory (fairseq-train at another size)
+        written = torch.load(f, weights_only=False)["extra_state"]["ema"]
+        built, _ = resharded_model(src, rank, 4, entry="ema")
+        assert list(built) == list(written) and all(torch.equal(built[k], written[k]) for k in written)
+
+    original = [torch.load(f, weights_only=False)["extra_state"] for f in find_part_files(src)]
+    final = [torch.load(f, weights_only=False)["extra_state"] for f in find_part_files(back)]
+    for before, after in zip(original, final):
+        for entry in ("ema", "ema_fp32_params"):
+            assert list(before[entry]) == list(after[entry])
+            for key in before[entry]:
+                assert torch.equal(before[entry][key], after[entry][key]), (entry, key)
 
 
 def test_parts_in_the_legacy_format_reshard_like_zip_files(tmp_path):

@@ -280,6 +280,47 @@ def test_resharded_optimizer_state_resumes_training_at_another_size(trained, tmp
     assert max(abs(a - b) for a, b in zip(reset["loss"][1:], at_1["loss"][1:])) > 10 * 1.1e-3, (reset, at_1)
 
 
+def test_store_ema_at_size_2_and_on_at_size_1(trained, tmp_path, capsys):
+    """fairseq-train ``--store-ema`` deep-copies the model for its EMA, which
+    failed at model-parallel size 2 ("cannot pickle 'ProcessGroup' object");
+    and fairseq's EMA step dropped the final layer norm from the copy. With
+    ``--ema-decay 0`` the EMA is the weights after every update, so each
+    part's EMA must equal that part's weights, bitwise, key for key. At size
+    1 training goes on from the parts resharded by fairseq-megatron-reshard
+    and from the parts themselves, joined in memory (the EMA weights too;
+    before, every rank got part 0's: a size mismatch). A checkpoint without
+    EMA weights starts the EMA from its weights (fairseq: ``KeyError:
+    'model'``)."""
+    size2, size1, joined = (tmp_path / d for d in ("size2", "size1", "joined"))
+    train_without_dropout(trained["data"], size2, 3, 2, "--store-ema", "--ema-decay", "0")
+    for part in (0, 1):
+        state = torch.load(size2 / f"checkpoint_last-model_part-{part}.pt", weights_only=False)
+        ema, model = state["extra_state"]["ema"], state["model"]
+        assert list(ema) == list(model) and ema["decoder.embed_tokens.weight"].shape == (512 // 2, 64)
+        different = [key for key in model if not torch.equal(ema[key], model[key])]
+        assert not different, different
+
+    assert reshard_checkpoint.main(["--input", str(size2 / "checkpoint_last.pt"), "--output",
+                                    str(size1 / "checkpoint_last.pt"), "--model-parallel-size", "1",
+                                    "--keep-optimizer"]) == 0
+    capsys.readouterr()
+    _, log = train_without_dropout(trained["data"], size1, 5, 1, "--store-ema", "--ema-decay", "0", "--no-save")
+    assert "(epoch 1 @ 3 updates)" in log and "Loading EMA from checkpoint" in log, log[-3000:]
+    assert re.search(r"num_updates[ =]5\b", log), log[-3000:]
+
+    _, log = train_without_dropout(trained["data"], joined, 2, 1, "--store-ema", "--reset-optimizer", "--no-save",
+                                   "--restore-file", str(size2 / "checkpoint_last.pt"))
+    assert "2 model part(s), loaded at model-parallel size 1" in log, log[-3000:]
+    assert "Loading EMA from checkpoint" in log and "holds no EMA weights" not in log, log[-3000:]
+    assert re.search(r"num_updates[ =]2\b", log), log[-3000:]
+
+    without_ema = os.path.join(trained["ckpt"], "checkpoint_last.pt")
+    _, log = train_without_dropout(trained["data"], tmp_path / "started", 1, 2, "--store-ema", "--reset-optimizer",
+                                   "--no-save", "--restore-file", without_ema)
+    assert f"{trained['ckpt']}/checkpoint_last-model_part-0.pt holds no EMA weights" in log, log[-3000:]
+    assert re.search(r"num_updates[ =]1\b", log), log[-3000:]
+
+
 def test_fine_tuning_from_a_checkpoint_saved_at_any_size(trained, tmp_path):
     """``--finetune-from-model CKPT.pt`` with CKPT saved in 2 parts, at size
     2 (each rank its own part) and at size 1 (the parts joined in memory),

@@ -10,7 +10,8 @@
 file, otherwise ``<output>-model_part-K.pt``. The model weights are kept, and
 with ``--keep-optimizer`` the optimizer state too, so that training resumes
 at the new size with ``--restore-file <output>``; without it, resume with
-``--reset-optimizer``. Only use checkpoints you trust: the files are fully
+``--reset-optimizer``. The EMA weights of ``fairseq-train --store-ema`` are
+resharded with the weights. Only use checkpoints you trust: the files are fully
 unpickled.
 """
 
@@ -78,7 +79,8 @@ def main(argv=None) -> int:
         if args.model_parallel_size is None or args.model_parallel_size < 1:
             raise UsageError("--model-parallel-size N (N >= 1) is required unless --to-fairseq")
         parts = PartFiles(args.input, args.keep_optimizer)  # read once, for the count and the resharding
-        steps = len(layer_groups(parts.keys)) * args.model_parallel_size * (2 if args.keep_optimizer else 1)
+        passes = 1 + args.keep_optimizer + len(parts.ema_entries)  # weights, optimizer, EMA weights
+        steps = len(layer_groups(parts.keys)) * args.model_parallel_size * passes
         with tqdm(total=steps, desc="resharding", unit="layer", disable=None) as bar:
             written = reshard(args.input, args.output, args.model_parallel_size, verify=args.verify,
                               progress=lambda _: bar.update(), with_optimizer=args.keep_optimizer, parts=parts)

@@ -263,7 +263,7 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         return VocabParallelEmbedding(len(dictionary), embed_dim, dictionary.pad())
 
 
-class ModelParallelTransformerDecoder(TransformerDecoder):
+class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopied, TransformerDecoder):
     """fairseq's TransformerDecoder with model-parallel layers and output projection.
 
     The output projection uses the vocab-parallel embedding weight
@@ -321,10 +321,19 @@ class ModelParallelTransformerDecoder(TransformerDecoder):
         without (two calls on the lent device; README); at 1.31B, where the
         GPU is busy anyway, 51.8k and 50.6k.
         """
+        self._layer_stack_backend = backend
         if self.cuda_graphs and backend == "inductor":
             self._compiled_layer_stack = torch.compile(self.run_layers, mode="reduce-overhead")
         else:
             self._compiled_layer_stack = torch.compile(self.run_layers, backend=backend)
+
+    def __deepcopy__(self, memo):
+        """A copy (fairseq's ``--store-ema``, or a user's) compiles its own layer
+        stack: the original's compiled function runs the original's layers."""
+        copied = super().__deepcopy__(memo)
+        if self._compiled_layer_stack is not None:
+            copied.compile_run_layers(self._layer_stack_backend)
+        return copied
 
     def train(self, mode: bool = True):
         """``nn.Module.train``; refuses training mode when ``--cuda-graphs`` has
@@ -344,6 +353,21 @@ class ModelParallelTransformerDecoder(TransformerDecoder):
                 "--model-parallel-size 1 without --checkpoint-activations"
             )
         return super().train(mode)
+
+    def upgrade_state_dict_named(self, state_dict, name):
+        """fairseq's upgrade, minus one false alarm: a state dict without the
+        ``{name}.version`` buffer was taken for a checkpoint from before the
+        final layer norm existed, and the norm was deleted from this decoder
+        (``TransformerDecoderBase.upgrade_state_dict_named``). fairseq's EMA
+        (``--store-ema``) loads such a dict into its copy after every update,
+        since it skips keys named "version" (``fairseq/models/ema/ema.py``):
+        the EMA model then ran without its final layer norm and was saved
+        without it. A dict that holds the final norm's weights is no such old
+        checkpoint; it gets the current version."""
+        version_key = f"{name}.version"  # fairseq's key (the model names its decoder "decoder")
+        if version_key not in state_dict and f"{name}.layer_norm.weight" in state_dict:
+            state_dict[version_key] = self.version.detach().clone()
+        return super().upgrade_state_dict_named(state_dict, name)
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         if not isinstance(cfg, TransformerConfig):

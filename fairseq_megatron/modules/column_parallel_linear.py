@@ -25,7 +25,7 @@ def column_parallel_input(x: torch.Tensor, group, sequence_parallel: bool = Fals
     return copy_to_tensor_model_parallel_region(x, group)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(parallel_state.SharesProcessGroupsWhenCopied, nn.Module):
     """``Y = X A + b`` with A split along its output (column) dimension.
 
     Rank r of N holds ``weight`` of shape ``(out_features / N, in_features)``

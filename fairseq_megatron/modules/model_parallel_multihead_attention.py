@@ -19,7 +19,7 @@ IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
 
 
 @with_incremental_state
-class ModelParallelMultiheadAttention(nn.Module):
+class ModelParallelMultiheadAttention(parallel_state.SharesProcessGroupsWhenCopied, nn.Module):
     """Causal self-attention; rank r of N computes heads ``[r*H/N, (r+1)*H/N)``.
 
     ``q_proj``, ``k_proj``, ``v_proj`` are column-parallel (each rank produces

@@ -9,6 +9,7 @@ from fairseq.modules import LayerNorm
 from torch import Tensor
 
 from fairseq_megatron import parallel_state
+from fairseq_megatron.checkpoint_activations import rewrap_forward
 from fairseq_megatron.modules.column_parallel_linear import ColumnParallelLinear
 from fairseq_megatron.modules.mappings import copy_to_tensor_model_parallel_region
 from fairseq_megatron.modules.model_parallel_multihead_attention import (
@@ -19,7 +20,7 @@ from fairseq_megatron.modules.row_parallel_linear import RowParallelLinear
 from fairseq_megatron.rng_tracker import get_rng_tracker
 
 
-class ModelParallelTransformerDecoderLayer(nn.Module):
+class ModelParallelTransformerDecoderLayer(parallel_state.SharesProcessGroupsWhenCopied, nn.Module):
     """Decoder block (self-attention + FFN, no encoder attention).
 
     Pre-norm (``normalize_before``, as every Megatron arch sets) computes::
@@ -139,6 +140,13 @@ class ModelParallelTransformerDecoderLayer(nn.Module):
         if not self.normalize_before:
             x = self._layer_norm(self.final_layer_norm, x, sp)
         return x, None, None
+
+    def __deepcopy__(self, memo):
+        """A copy with its own ``--compile-layers`` / ``--checkpoint-activations``
+        wrappers (see :func:`~fairseq_megatron.checkpoint_activations.rewrap_forward`)."""
+        copied = super().__deepcopy__(memo)
+        rewrap_forward(copied)
+        return copied
 
     def make_generation_fast_(self, need_attn: bool = False, **kwargs):
         self.need_attn = need_attn

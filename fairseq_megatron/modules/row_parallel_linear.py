@@ -16,7 +16,7 @@ from fairseq_megatron.modules.mappings import (
 from fairseq_megatron.modules.sharding import divide, init_shard_
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(parallel_state.SharesProcessGroupsWhenCopied, nn.Module):
     """``Y = X A + b`` with A split along its input (row) dimension.
 
     Rank r of N holds ``weight`` of shape ``(out_features, in_features / N)``

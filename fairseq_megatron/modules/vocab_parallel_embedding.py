@@ -29,7 +29,7 @@ def fairseq_embedding_init(embedding_dim: int, padding_idx: Optional[int]) -> Ca
     return init
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(parallel_state.SharesProcessGroupsWhenCopied, nn.Module):
     """Token embedding whose vocabulary is split across the tensor-model-parallel group.
 
     Rank r of N holds ``weight`` of shape ``(V / N, C)``: rows

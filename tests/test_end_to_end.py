@@ -370,6 +370,20 @@ def test_fine_tuning_from_a_checkpoint_saved_at_any_size(trained, tmp_path):
             f"--finetune-from-model {parts / 'checkpoint_last.pt'}") in log, log[-3000:]
 
 
+def test_weights_joined_in_memory_leave_each_rank_its_own_dropout_stream(trained, tmp_path):
+    """fairseq-train at size 4 from the fixture's 2 parts (``--reset-optimizer``:
+    each rank's part built in memory). The checkpoint fairseq reads is part
+    0's, with part 0's model-parallel RNG stream, which MegatronTrainer
+    restored into every rank: all four ranks then dropped the same units of
+    their shards (saved seeds 3 + 2718 + 0 on every part). Each rank keeps
+    the stream seeded for it (seed + 2718 + rank), as at a fresh start."""
+    train_without_dropout(trained["data"], tmp_path / "size4", 1, 4, "--reset-optimizer",
+                          "--restore-file", os.path.join(trained["ckpt"], "checkpoint_last.pt"))
+    seeds = [torch.load(tmp_path / "size4" / f"checkpoint_last-model_part-{rank}.pt", weights_only=False)
+             ["extra_state"]["rng_tracker_states"]["model-parallel-rng"]["seed"] for rank in range(4)]
+    assert seeds == [3 + 2718 + rank for rank in range(4)], seeds
+
+
 def test_export_evaluates_in_stock_fairseq_without_user_dir(trained):
     path = os.path.join(trained["ckpt"], "checkpoint_last.pt")
     _, ours = fairseq("eval_lm", eval_args(trained["data"], path, 2), nproc=2)

@@ -957,15 +957,11 @@ def _nonfinite_gradients_skipped_on_the_device() -> None:
 
 def _is_model_parallel_lm(state: dict) -> bool:
     """Whether checkpoint ``state`` holds one of our architectures."""
-    from fairseq.models import ARCH_MODEL_REGISTRY
-
     from fairseq_megatron.checkpoint_resharding import config_value, model_config
-    from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
+    from fairseq_megatron.models.model_parallel_transformer_lm import is_model_parallel_arch
 
     config = model_config(state)
-    arch = config_value(config, "_name") or config_value(config, "arch")
-    return isinstance(arch, str) and issubclass(
-        ARCH_MODEL_REGISTRY.get(arch, type(None)), ModelParallelTransformerLanguageModel)
+    return is_model_parallel_arch(config_value(config, "_name") or config_value(config, "arch"))
 
 
 def _existing_part_files(path: str) -> list:

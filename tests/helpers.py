@@ -134,15 +134,16 @@ def init_model_parallel(model_parallel_size: int, seed: int = 0):
 ENV = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
 
 
-def fairseq(tool, args, nproc=None, check=True, timeout=300, stdin=None):
-    """Run ``fairseq_cli.<tool>`` (under torchrun with ``nproc`` processes,
-    ``stdin`` as its standard input); return (rc, output)."""
+def fairseq(tool, args, nproc=None, check=True, timeout=300, stdin=None, cwd=None):
+    """Run ``fairseq_cli.<tool>`` (or the module ``tool`` when its name has a
+    dot) under torchrun with ``nproc`` processes, ``stdin`` as its standard
+    input, in directory ``cwd``; return (rc, output)."""
     cmd = [sys.executable]
     if nproc:
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd += ["-m", f"fairseq_cli.{tool}"] + args
+    cmd += ["-m", tool if "." in tool else f"fairseq_cli.{tool}"] + args
     proc = subprocess.run(cmd, input=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
-                          timeout=timeout)
+                          timeout=timeout, cwd=cwd)
     if check:
         assert proc.returncode == 0, proc.stdout[-4000:]
     return proc.returncode, proc.stdout

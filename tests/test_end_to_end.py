@@ -72,18 +72,26 @@ def evaluated_tokens(output):
     return int(re.findall(r"Evaluated ([0-9,]+) tokens", output)[-1].replace(",", ""))
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2e")
-    text, data, ckpt = (str(root / d) for d in ("text", "bin", "ckpt"))
+def binarized_corpus(root, max_bytes: int) -> str:
+    """English text from the standard library's docstrings (``max_bytes``),
+    split into ``root/text/{train,valid,test}.txt`` and binarized by
+    fairseq-preprocess into ``root/bin``, which is returned. 512 symbols: a
+    multiple of 16, so the model at size 2 adds no padding rows and stock
+    fairseq (which never pads) builds the same vocabulary."""
+    text, data = str(root / "text"), str(root / "bin")
     stdlib = make_corpus.sysconfig.get_paths()["stdlib"]
-    corpus = make_corpus.build_corpus(make_corpus.stdlib_files(stdlib), stdlib, max_bytes=300_000)
+    corpus = make_corpus.build_corpus(make_corpus.stdlib_files(stdlib), stdlib, max_bytes=max_bytes)
     make_corpus.write_splits(corpus, text)
-    # 512 symbols: a multiple of 16, so the model at size 2 adds no padding
-    # rows and stock fairseq (which never pads) builds the same vocabulary.
     fairseq("preprocess", ["--only-source", "--trainpref", f"{text}/train.txt", "--validpref",
                            f"{text}/valid.txt", "--testpref", f"{text}/test.txt", "--destdir", data,
                            "--nwordssrc", "512"])
+    return data
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    data, ckpt = binarized_corpus(root, max_bytes=300_000), str(root / "ckpt")
     _, log = fairseq("train", train_args(data, ckpt, max_update=4), nproc=2)
     return {"root": root, "data": data, "ckpt": ckpt, "first_log": log}
 

@@ -10,15 +10,13 @@ same settings.
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from fairseq_megatron import USER_DIR
-from tests.helpers import ENV, fairseq
-from tests.test_end_to_end import eval_loss, evaluated_tokens, make_corpus
+from tests.helpers import fairseq
+from tests.test_end_to_end import binarized_corpus, eval_loss, evaluated_tokens
 
 # One model and run, written once for each front end. Dropout stays on: both
 # runs draw the same masks from the same seeds.
@@ -80,16 +78,8 @@ def hydra_train(config_dir, overrides=(), nproc=None, check=True):
     """``python -m fairseq_megatron.cli.hydra_train`` (what the console
     script ``fairseq-megatron-hydra-train`` runs) on ``config_dir/run.yaml``,
     in that directory: (rc, output)."""
-    cmd = [sys.executable]
-    if nproc:
-        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd += ["-m", "fairseq_megatron.cli.hydra_train", "--config-dir", str(config_dir), "--config-name", "run",
-            *overrides]
-    proc = subprocess.run(cmd, cwd=config_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=ENV, timeout=300)
-    if check:
-        assert proc.returncode == 0, proc.stdout[-4000:]
-    return proc.returncode, proc.stdout
+    args = ["--config-dir", str(config_dir), "--config-name", "run", *overrides]
+    return fairseq("fairseq_megatron.cli.hydra_train", args, nproc=nproc, check=check, cwd=config_dir)
 
 
 def write_config(directory, data, save_dir, size):
@@ -101,14 +91,7 @@ def write_config(directory, data, save_dir, size):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hydra")
-    text, data = str(root / "text"), str(root / "bin")
-    stdlib = make_corpus.sysconfig.get_paths()["stdlib"]
-    corpus = make_corpus.build_corpus(make_corpus.stdlib_files(stdlib), stdlib, max_bytes=100_000)
-    make_corpus.write_splits(corpus, text)
-    fairseq("preprocess", ["--only-source", "--trainpref", f"{text}/train.txt", "--validpref", f"{text}/valid.txt",
-                           "--testpref", f"{text}/test.txt", "--destdir", data, "--nwordssrc", "512"])
-    return data
+    return binarized_corpus(tmp_path_factory.mktemp("hydra"), max_bytes=100_000)
 
 
 @pytest.fixture(scope="module")

@@ -51,24 +51,15 @@ RUN_SETTINGS = {
 }
 
 
-def is_model_parallel_lm(model_name) -> bool:
-    """Whether ``model_name`` (a config's ``model._name``: an arch or a model
-    name) is one of this package's model-parallel language models."""
-    from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_REGISTRY
-
-    from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
-
-    cls = ARCH_MODEL_REGISTRY.get(model_name) or MODEL_REGISTRY.get(model_name)
-    return isinstance(cls, type) and issubclass(cls, ModelParallelTransformerLanguageModel)
-
-
 def with_run_settings(cfg: DictConfig) -> None:
     """Give ``cfg.model`` the :data:`RUN_SETTINGS` it lacks, as interpolations
     (``${common.model_parallel_size}``, ...) that fairseq's ``_hydra_main``
-    resolves; only for this package's models, and only keys that
+    resolves; only for this package's architectures, and only keys that
     ``cfg`` has. Changes ``cfg`` in place."""
+    from fairseq_megatron.models.model_parallel_transformer_lm import is_model_parallel_arch
+
     model = cfg.get("model")
-    if not isinstance(model, DictConfig) or not is_model_parallel_lm(model.get("_name")):
+    if not isinstance(model, DictConfig) or not is_model_parallel_arch(model.get("_name")):
         return
     with open_dict(model):
         for key, source in RUN_SETTINGS.items():

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from fairseq.models import ARCH_MODEL_REGISTRY
 from fairseq.models.transformer import TransformerConfig, TransformerDecoder
 from fairseq.models.transformer_lm import TransformerLanguageModel, base_lm_architecture
 from fairseq.utils import safe_getattr
@@ -555,3 +556,10 @@ def transformer_lm_megatron(args):
 def transformer_lm_megatron_11b(args):
     """Megatron-11b: 72 layers, hidden 3072, FFN 6 x 3072 = 18432, 32 heads, gelu, dropout 0.1."""
     _megatron_common(args, ffn_multiple=6)
+
+
+def is_model_parallel_arch(name) -> bool:
+    """Whether ``name`` (a config's ``_name`` or ``arch``) is an architecture
+    of :class:`ModelParallelTransformerLanguageModel`."""
+    return isinstance(name, str) and issubclass(
+        ARCH_MODEL_REGISTRY.get(name, type(None)), ModelParallelTransformerLanguageModel)

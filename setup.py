@@ -19,7 +19,7 @@ setup(
         "tqdm",
         "tiktoken",  # fast GPT-2 BPE in examples/megatron_11b
     ],
-    extras_require={"test": ["pytest", "tokenizers", "matplotlib"]},
+    extras_require={"test": ["pytest", "pytest-xdist", "tokenizers", "matplotlib"]},
     entry_points={
         "console_scripts": [
             "fairseq-megatron-reshard = fairseq_megatron.cli.reshard_checkpoint:main",

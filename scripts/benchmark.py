@@ -178,6 +178,8 @@ def train_command(args, impl: str, shape: dict, data_dir: str, result_file: str,
         model = ["--arch", "transformer_lm_gpt2_small", *dims, "--dropout", "0.1"]
     if args.checkpoint_activations:
         model.append("--checkpoint-activations")
+    if args.offload_activations:
+        model.append("--offload-activations")
     precision = {"fp16": ["--fp16"], "amp": ["--amp"], "memory-efficient-fp16": ["--memory-efficient-fp16"],
                  "fp32": [], "bf16-autocast": ["--bf16-autocast"]}[_precision(args, impl, use_cuda)]
     train = [
@@ -373,6 +375,8 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
         label += " cudagraphs"
     if args.checkpoint_activations:
         label += " ckpt"
+    if args.offload_activations:
+        label += " offload"
     if args.label:
         label += f" {args.label}"
     return {
@@ -527,6 +531,8 @@ def main(argv=None):
                         "autocast (ours only; fairseq's transformer_lm then runs --fp16)")
     p.add_argument("--optimizer", default="adam")
     p.add_argument("--checkpoint-activations", action="store_true")
+    p.add_argument("--offload-activations", action="store_true",
+                   help="fairseq's flag: checkpointing, with each layer's input kept in host memory")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--compile-layers", action="store_true", help="torch.compile our decoder layers")
     p.add_argument("--cuda-graphs", action="store_true",

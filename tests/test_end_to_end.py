@@ -919,6 +919,29 @@ def _per_update(log, key):
     return [float(v) for v in re.findall(rf"\| epoch \d+: +\d+ / \d+ .*?\b{key}=([0-9.]+)", log)]
 
 
+def test_offload_activations_trains_like_no_checkpointing(trained, tmp_path):
+    """fairseq-train ``--offload-activations`` with dropout on (0.1): at
+    model-parallel size 2 it logs the fixture's losses and ``gnorm`` (same
+    seed and data, no checkpointing there), and at size 1 on two
+    data-parallel groups (DDP's gradient hooks fire during the recompute)
+    those of the same run without the flag. Tolerance: none beyond the 3
+    printed decimals (the same arithmetic; the recompute replays the masks)."""
+    _, log = fairseq("train", train_args(trained["data"], str(tmp_path / "mp2"), max_update=4)
+                     + ["--offload-activations", "--no-save"], nproc=2)
+    for key in ("loss", "gnorm"):
+        expected = _per_update(trained["first_log"], key)
+        assert len(expected) == 4 and _per_update(log, key) == expected, (key, _per_update(log, key), expected)
+    logs = {}
+    for flags in ((), ("--offload-activations",)):
+        args = train_args(trained["data"], str(tmp_path / "dp2"), max_update=3)
+        args[args.index("--model-parallel-size") + 1] = "1"
+        _, logs[flags] = fairseq("train", args + ["--no-save", *flags], nproc=2)
+        assert "training on 2 devices" in logs[flags], logs[flags][-2000:]
+    for key in ("loss", "gnorm"):
+        plain, offloaded = (_per_update(logs[flags], key) for flags in logs)
+        assert len(plain) == 3 and offloaded == plain, (key, plain, offloaded)
+
+
 def test_gradient_norm_and_clipping_match_size_1(trained):
     """``gnorm`` (which ``--clip-norm`` clips by) at model-parallel size 2
     equals the size-1 model's on the same data and initial weights: replicated

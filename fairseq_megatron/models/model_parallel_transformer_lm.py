@@ -287,8 +287,10 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
             self.compile_layers
             and parallel_state.world_size(self.tensor_model_parallel_group) == 1
             and not safe_getattr(args, "checkpoint_activations", False)
+            and not safe_getattr(args, "offload_activations", False)  # implies checkpointing
         )
         self.cuda_graphs = bool(safe_getattr(args, "cuda_graphs", False))
+        self.offload_activations = bool(safe_getattr(args, "offload_activations", False))
         self._compiled_layer_stack = None
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=True)
         if self.compile_layer_stack:
@@ -376,8 +378,8 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
         layer = ModelParallelTransformerDecoderLayer(cfg, group=self.tensor_model_parallel_group)
         if self.compile_layers and not self.compile_layer_stack:
             layer = compile_for_training(layer)
-        if cfg.checkpoint_activations:
-            layer = checkpoint_wrapper(layer)
+        if cfg.checkpoint_activations or cfg.offload_activations:  # fairseq: the latter implies the former
+            layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
         return layer
 
     def build_output_projection(self, cfg, dictionary, embed_tokens):
@@ -470,8 +472,13 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
     def run_layers(self, x, self_attn_mask, self_attn_padding_mask, incremental_state, sequence_parallel: bool):
         """Every decoder layer in turn: ``x`` ``(T, B, C)`` (or the ``(T / N, B, C)``
         sequence shard) -> ``(x, inner_states)``, the input and each layer's
-        output. Masks as in :class:`ModelParallelTransformerDecoderLayer`."""
-        inner_states = [x]
+        output. Masks as in :class:`ModelParallelTransformerDecoderLayer`.
+
+        With ``--offload-activations`` a pass with autograd keeps only the last
+        output (``inner_states == [x]``): each layer then holds its input in
+        host memory, and a list of them would hold them on the device."""
+        keep_inner_states = not (self.offload_activations and torch.is_grad_enabled())
+        inner_states = [x] if keep_inner_states else []
         for layer in self.layers:
             x, _, _ = layer(
                 x, None, None, incremental_state,
@@ -479,8 +486,9 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
                 self_attn_padding_mask=self_attn_padding_mask,
                 sequence_parallel=sequence_parallel,
             )
-            inner_states.append(x)
-        return x, inner_states
+            if keep_inner_states:
+                inner_states.append(x)
+        return x, inner_states if keep_inner_states else [x]
 
     def forward(
         self,

@@ -23,6 +23,11 @@ Formulas (all per GPU, in bytes unless said otherwise):
   full activation checkpointing    ``2*s*b*h`` (``/t`` with sequence parallel)
   ===============================  ==============================================
 
+  With checkpointing, a layer's backward first recomputes its forward, so
+  one layer's activations without checkpointing are also allocated (counted
+  once: layers are recomputed one at a time). ``--offload-activations`` moves
+  the ``2*s*b*h`` kept per layer to host memory (reported apart).
+
   (r = 4 gives the paper's 34 and 24/t.) In 16-bit training this package's
   layer adds ``2*r*s*b*h/t``: fairseq's GELU keeps an fp32 copy of its input.
   With flash attention
@@ -36,6 +41,7 @@ Formulas (all per GPU, in bytes unless said otherwise):
 """
 
 import dataclasses
+import functools
 from typing import Dict, List, Optional
 
 BYTES_PER_PARAM = {
@@ -123,6 +129,7 @@ class Layout:
     total_gb: float
     fits: bool
     pipeline_bubble: float  # (PP - 1) / micro batches per step (Narayanan et al. 2021, section 2.2)
+    host_activations_gb: float = 0.0  # the layer inputs --offload-activations keeps in host memory
 
     def as_dict(self) -> Dict:
         return dataclasses.asdict(self)
@@ -131,8 +138,10 @@ class Layout:
 def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, micro_batch: int,
          global_batch: int, precision: str = "fp16", checkpointing: bool = False,
          sequence_parallel: bool = False, flash_attention: bool = True,
-         tp: Optional[int] = None, pp: Optional[int] = None) -> List[Layout]:
+         tp: Optional[int] = None, pp: Optional[int] = None, offloading: bool = False) -> List[Layout]:
     """Every valid (TP, PP, DP) layout with its memory per GPU.
+
+    ``offloading`` (``--offload-activations``) implies ``checkpointing``.
 
     Valid: TP divides the heads and the FFN size and stays within a node
     (TP divides ``gpus_per_node``), PP divides the layers, DP = gpus / (TP*PP)
@@ -177,13 +186,17 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
             embed = m.vocab * m.hidden + (m.seq_len * m.hidden if m.learned_positions else 0)
             params = (embed + layer_params * (m.layers // p)) // t + (2 * m.hidden if p == 1 else 0)
             in_flight = min(p, accumulation)  # 1F1B: micro batches alive on the first stage
-            act = activation_bytes_per_layer(m, micro_batch, t, sequence_parallel, checkpointing,
-                                             flash_attention, precision) * (m.layers // p) * in_flight
+            per_layer = functools.partial(activation_bytes_per_layer, m, micro_batch, t, sequence_parallel,
+                                          flash_attention=flash_attention, precision=precision)
+            kept = per_layer(checkpointing=checkpointing or offloading) * (m.layers // p) * in_flight
+            act, host = (0, kept) if offloading else (kept, 0)
+            if checkpointing or offloading:
+                act += per_layer(checkpointing=False)  # the layer being recomputed
             act += 4 * m.seq_len * micro_batch * m.vocab / t  # fp32 logits for the loss
             weights, grads, optim = params * w_b / gb, params * g_b / gb, params * o_b / gb
             total = weights + grads + optim + act / gb
             layouts.append(Layout(t, p, dp, accumulation, params, weights, grads, optim, act / gb, total,
-                                  total <= gpu_memory_gb, (p - 1) / accumulation))
+                                  total <= gpu_memory_gb, (p - 1) / accumulation, host / gb))
     if not layouts:
         raise PlanError(_why_no_layout(m, gpus, gpus_per_node, micro_batch, global_batch))
     return layouts

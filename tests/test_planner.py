@@ -101,6 +101,15 @@ def test_layouts_and_recommendation():
     for l in layouts:
         assert ckpt[(l.tp, l.pp)] < l.activations_gb
         assert sp[(l.tp, l.pp)] <= l.activations_gb + 1e-12
+    # --offload-activations moves what checkpointing keeps per layer (2*s*b*h bytes of 16-bit
+    # activations, for all 72 layers on the first pipeline stage) from the GPU to host memory
+    kept_gb = 2 * 1024 * 2 * 3072 * 72 / 1e9  # 2*s*b*h, b = 2
+    for offloaded in plan(shape, 16, 8, 80, 2, 512, offloading=True):
+        checkpointed = next(l for l in plan(shape, 16, 8, 80, 2, 512, checkpointing=True)
+                            if (l.tp, l.pp) == (offloaded.tp, offloaded.pp))
+        assert offloaded.host_activations_gb == pytest.approx(kept_gb)
+        assert offloaded.activations_gb == pytest.approx(checkpointed.activations_gb - kept_gb)
+        assert checkpointed.host_activations_gb == 0
 
 
 def test_cli_table_json_and_errors(capsys):
@@ -111,6 +120,11 @@ def test_cli_table_json_and_errors(capsys):
     assert plan_parallelism.main(["--layers", "2", "--hidden", "96", "--heads", "3", "--gpus", "4",
                                   "--gpus-per-node", "4", "--global-batch", "8"]) == 0
     assert "recommended: TP=1" in capsys.readouterr().out
+    assert plan_parallelism.main(["--layers", "24", "--hidden", "3072", "--heads", "24", "--gpus", "1",
+                                  "--global-batch", "64", "--micro-batch", "64", "--offload-activations"]) == 0
+    header, row = capsys.readouterr().out.splitlines()[1:3]
+    # 24 layers x 2*s*b*h bytes (s 1024, b 64, h 3072) in host memory: 9.66 GB
+    assert header.endswith("host GB") and row.split()[-1] == "9.7", (header, row)
     # impossible requests: one error line, exit 1
     assert plan_parallelism.main(["--arch", "transformer_lm_megatron_11b", "--gpus", "8", "--global-batch", "63",
                                   "--micro-batch", "2"]) == 1

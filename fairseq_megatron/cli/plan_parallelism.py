@@ -3,7 +3,7 @@
 
     fairseq-megatron-plan --arch transformer_lm_megatron_11b --gpus 16 --gpus-per-node 8 \\
         --gpu-memory 80 --micro-batch 2 --global-batch 512 --seq-len 1024 [--checkpoint-activations] \\
-        [--sequence-parallel] [--json] [--png layouts.png]
+        [--offload-activations] [--sequence-parallel] [--json] [--png layouts.png]
 
 Lists every valid (TP, PP, DP) layout with gradient accumulation steps,
 parameters and memory per GPU (weights, gradients, optimizer state,
@@ -52,6 +52,8 @@ def build_parser():
     p.add_argument("--global-batch", type=positive(int), required=True)
     p.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16")
     p.add_argument("--checkpoint-activations", action="store_true")
+    p.add_argument("--offload-activations", action="store_true",
+                   help="checkpointing with each layer's kept input in host memory (reported as host GB)")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--no-flash-attention", dest="flash_attention", action="store_false",
                    help="count the stored attention matrix (5*a*s^2*b bytes per layer)")
@@ -106,7 +108,8 @@ def main(argv=None) -> int:
         shape = shape_from_args(args)
         layouts = plan(shape, args.gpus, args.gpus_per_node, args.gpu_memory, args.micro_batch,
                        args.global_batch, args.precision, args.checkpoint_activations,
-                       args.sequence_parallel, args.flash_attention, tp=args.tp, pp=args.pp)
+                       args.sequence_parallel, args.flash_attention, tp=args.tp, pp=args.pp,
+                       offloading=args.offload_activations)
     except PlanError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -120,12 +123,15 @@ def main(argv=None) -> int:
         print(f"model: {shape.layers} layers x {shape.hidden} hidden, {shape.heads} heads, FFN {shape.ffn}, "
               f"vocab {shape.vocab}, seq {shape.seq_len}: {humanize(shape.parameters())} parameters, "
               f"{tflops:,.0f} model TFLOPs per step of {args.global_batch} x {shape.seq_len} tokens")
+        host = args.offload_activations
         print(f"{'TP':>3} {'PP':>3} {'DP':>4} {'accum':>5} {'params/GPU':>10} {'weights':>8} {'grads':>7} "
-              f"{'optim':>7} {'activ':>7} {'total GB':>9}  fits {args.gpu_memory:g} GB")
+              f"{'optim':>7} {'activ':>7} {'total GB':>9}  fits {args.gpu_memory:g} GB"
+              + ("  host GB" if host else ""))
         for l in layouts:
             print(f"{l.tp:>3} {l.pp:>3} {l.dp:>4} {l.grad_accumulation:>5} {humanize(l.params_per_gpu):>10} "
                   f"{l.weights_gb:8.1f} {l.gradients_gb:7.1f} {l.optimizer_gb:7.1f} {l.activations_gb:7.1f} "
-                  f"{l.total_gb:9.1f}  {'yes' if l.fits else 'no'}")
+                  f"{l.total_gb:9.1f}  {'yes' if l.fits else 'no':>{len(f'fits {args.gpu_memory:g} GB')}}"
+                  + (f"  {l.host_activations_gb:7.1f}" if host else ""))
         print(f"recommended: {reason}")
     if args.png:
         try:

@@ -165,3 +165,31 @@ def test_a_dictionary_other_than_the_trained_one_is_refused():
     longer = dictionary("one more", "another")
     with pytest.raises(UsageError, match="wrong dict.txt"):
         check_dictionary_size(longer, len(longer), len(trained), "x.pt")
+
+
+@pytest.mark.parametrize("overrides,given", [
+    (dict(scale_attn=True, scale_resids=True), "--scale-attn --scale-resids"),
+    (dict(quant_noise_pq=0.1), "--quant-noise-pq 0.1"),
+    (dict(quant_noise_scalar=0.1), "--quant-noise-scalar 0.1"),
+    (dict(base_layers=1), "--base-layers 1"),
+    (dict(decoder_xformers_att_config='{"name": "scaled_dot_product"}'),
+     '--decoder-xformers-att-config {"name": "scaled_dot_product"}'),
+    (dict(decoder_input_dim=48), "--decoder-input-dim 48"),
+    (dict(decoder_output_dim=48), "--decoder-output-dim 48"),
+])
+def test_transformer_lm_options_the_layers_lack_are_refused(overrides, given):
+    """fairseq's parser gives our archs every transformer_lm option. These the
+    model-parallel layers do not implement: NormFormer's scalings and the
+    quantization noises were ignored (a model built without them; the pq
+    noise also added a projection that the forward never used), BASE
+    layers and xformers attention were ignored,
+    and other input/output dims failed in the first forward ("mat1 and
+    mat2 shapes cannot be multiplied"). Options our layers do implement
+    build: layerdrop, relu, post-norm, an embedding layer norm."""
+    with pytest.raises(UsageError) as refused:
+        build_model(1, **overrides)
+    assert str(refused.value) == (f"{given}: not implemented by the model-parallel decoder; drop it (fairseq's own "
+                                  f"transformer_lm has it, without model parallelism)")
+    model, dictionary = build_model(1, decoder_layerdrop=0.5, activation_fn="relu", decoder_normalize_before=False,
+                                    layernorm_embedding=True)
+    assert model(make_batch(dictionary)[0])[0].shape[-1] == len(dictionary)

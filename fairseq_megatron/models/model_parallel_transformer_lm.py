@@ -130,6 +130,33 @@ def _refuse_fully_sharded_data_parallel(model_parallel_size: int, cpu: bool) -> 
         raise UsageError(f"--ddp-backend fully_sharded needs CUDA GPUs (fairscale's FSDP); on CPU {others}")
 
 
+def _refuse_what_the_layers_would_ignore(args) -> None:
+    """transformer_lm options that this decoder accepts from fairseq's parser
+    but does not implement: NormFormer's scalings (``--scale-attn``,
+    ``--scale-fc``, ``--scale-heads``, ``--scale-resids``), quantization noise,
+    BASE layers, xformers attention, and input/output dimensions other than
+    the embedding's. The model was built without them (or, for the
+    dimensions, failed in its first forward on mismatched shapes).
+    Checkpoints without these options (the published Megatron-11b's 2020
+    ``args``) pass.
+
+    Raises:
+        UsageError: the options given, in one message.
+    """
+    embed_dim = args.decoder_embed_dim
+    given = [f"--{flag.replace('_', '-')}" for flag in ("scale_attn", "scale_fc", "scale_heads", "scale_resids")
+             if safe_getattr(args, flag, False)]
+    given += [f"--{flag.replace('_', '-')} {safe_getattr(args, flag)}"
+              for flag in ("quant_noise_pq", "quant_noise_scalar", "base_layers", "decoder_xformers_att_config")
+              if safe_getattr(args, flag, None)]
+    given += [f"--{flag.replace('_', '-')} {safe_getattr(args, flag)}"
+              for flag in ("decoder_input_dim", "decoder_output_dim")
+              if safe_getattr(args, flag, embed_dim) != embed_dim]
+    if given:
+        raise UsageError(f"{' '.join(given)}: not implemented by the model-parallel decoder; drop it "
+                         f"(fairseq's own transformer_lm has it, without model parallelism)")
+
+
 @take_over_model("model_parallel_transformer_lm")
 class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
     """Decoder-only LM whose layers are split across the tensor-model-parallel group.
@@ -144,7 +171,10 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
             model-parallel size; ``--model-parallel-size`` above 1 in a single
             process (no launcher); the checkpoint's ``model_parallel_size``
             differs from the running group size; ``--bf16-autocast`` with
-            ``--fp16``, ``--memory-efficient-fp16`` or ``--amp``.
+            ``--fp16``, ``--memory-efficient-fp16`` or ``--amp``; transformer_lm
+            options these layers do not implement (NormFormer scalings,
+            quantization noise, BASE layers, xformers attention, input/output
+            dimensions other than the embedding's).
         NotImplementedError: adaptive input/softmax or character embeddings.
     """
 
@@ -234,6 +264,7 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
                 "the gradients being accumulated; use --update-freq 1 (a larger --batch-size instead)"
             )
         _refuse_fully_sharded_data_parallel(group_size, cpu=safe_getattr(args, "cpu", False))
+        _refuse_what_the_layers_would_ignore(args)
         if args.character_embeddings or args.adaptive_input or args.adaptive_softmax_cutoff:
             raise NotImplementedError(
                 "character embeddings, adaptive input and adaptive softmax are not model parallel"

@@ -120,7 +120,8 @@ def test_cuda_graphs_need_the_compiled_layer_stack():
     accumulation, whose sums the replays would overwrite, is refused when
     the model is built."""
     tokens, _ = make_batch(make_dictionary())
-    for overrides in ({}, {"compile_layers": True, "checkpoint_activations": True}):
+    for overrides in ({}, {"compile_layers": True, "checkpoint_activations": True},
+                      {"compile_layers": True, "offload_activations": True}):
         model, _ = build_model(1, cuda_graphs=True, **overrides)
         model.eval()
         with torch.no_grad():

@@ -375,7 +375,8 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
 
         Raises:
             UsageError: ``--cuda-graphs`` without ``--compile-layers``, at
-                model-parallel size > 1 or with ``--checkpoint-activations``.
+                model-parallel size > 1 or with ``--checkpoint-activations`` (or
+                ``--offload-activations``, which implies it).
                 Checked here, not when building: a checkpoint trained with the
                 flag still loads for evaluation at any model-parallel size, and
                 fairseq's trainer calls ``train()`` before the part of a step
@@ -384,7 +385,7 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
         if mode and self.cuda_graphs and self._compiled_layer_stack is None:
             raise UsageError(
                 "--cuda-graphs replays the compiled layer stack: it needs --compile-layers at "
-                "--model-parallel-size 1 without --checkpoint-activations"
+                "--model-parallel-size 1 without --checkpoint-activations or --offload-activations"
             )
         return super().train(mode)
 

@@ -195,6 +195,13 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    fairseq read that count per group of the new run: with fewer groups it
    trained batches again, with more it skipped batches of the epoch. The
    count is now converted through the batches taken in all.
+21. :func:`_keep_best_checkpoints_of_model_parts` -- ``fairseq-train
+   --keep-best-checkpoints N`` at model-parallel size > 1 stopped at its
+   second validation with "ValueError: could not convert string to float:
+   'part-0.pt'": fairseq reads the score of the worst kept checkpoint back
+   from its file name by splitting at the last "_", and the part suffix
+   ``-model_part-K`` has one. For such suffixes the best-N files are now
+   kept here, named, chosen and removed as fairseq does.
 """
 
 import atexit
@@ -205,6 +212,7 @@ import copy
 import functools
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -249,6 +257,7 @@ def install() -> None:
     _fairseq_validate_across_ranks()
     _evaluation_scores_every_sample()
     _resuming_at_another_data_parallel_size()
+    _keep_best_checkpoints_of_model_parts()
     _INSTALLED = True
 
 
@@ -1574,3 +1583,75 @@ def _continue_the_epoch(extra_state: Optional[dict], groups: int) -> None:
         "resuming at %d data-parallel groups (saved at %d): epoch %d goes on after its first %d batches%s",
         groups, saved, position["epoch"], taken,
         f" ({again} of them trained once more: {taken} is not divisible by {groups})" if again else "")
+
+
+def _keep_best_checkpoints_of_model_parts() -> None:
+    from fairseq import checkpoint_utils
+
+    original_save = checkpoint_utils.save_checkpoint
+
+    @functools.wraps(original_save)
+    def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
+        keep = cfg.keep_best_checkpoints
+        suffix = trainer.checkpoint_suffix
+        if keep <= 0 or "_" not in suffix:
+            return original_save(cfg, trainer, epoch_itr, val_loss)
+        cfg.keep_best_checkpoints = 0  # fairseq's own keeping is what fails on the suffix
+        try:
+            saved = original_save(cfg, trainer, epoch_itr, val_loss)
+        finally:
+            cfg.keep_best_checkpoints = keep
+        if val_loss is not None and not cfg.no_save and trainer.should_save_checkpoint_on_current_rank:
+            _keep_best_checkpoint(cfg, trainer, epoch_itr, val_loss, saved)
+        return saved
+
+    checkpoint_utils.save_checkpoint = save_checkpoint
+
+
+def _keep_best_checkpoint(cfg, trainer, epoch_itr, val_loss: float, saved: Optional[str]) -> None:
+    """fairseq's ``--keep-best-checkpoints`` for part files
+    (``fairseq/checkpoint_utils.py:save_checkpoint``): this rank's part is
+    saved as ``checkpoint.best_{metric}_{score:.3f}{digit}{suffix}.pt`` (the
+    digit, drawn from epoch, update and score, breaks ties) when the score
+    beats the worst of those kept, or, with none kept yet, is the best so
+    far; then all but the best ``cfg.keep_best_checkpoints`` are removed.
+    The scores are read with the file-name pattern's group, not by splitting
+    the name. ``saved``: the file this save wrote, copied (None when this
+    save wrote none; then the checkpoint is written here)."""
+    from fairseq import checkpoint_utils
+    from fairseq.data import data_utils
+    from fairseq.file_io import PathManager
+
+    epoch, updates, suffix = epoch_itr.epoch, trainer.get_num_updates(), trainer.checkpoint_suffix
+    metric = cfg.best_checkpoint_metric
+    pattern = rf"checkpoint\.best_{metric}_(\d+\.?\d*){re.escape(suffix)}\.pt"
+    kept = checkpoint_utils.checkpoint_paths(cfg.save_dir, pattern=pattern, keep_match=True)  # by score, descending
+    best = getattr(checkpoint_utils.save_checkpoint, "best", None)
+    if kept:
+        best = kept[-1][1] if cfg.maximize_best_checkpoint_metric else kept[0][1]  # the worst kept
+    better = best is None or (val_loss >= best if cfg.maximize_best_checkpoint_metric else val_loss <= best)
+    if better:
+        with data_utils.numpy_seed(epoch, updates, val_loss):
+            digit = np.random.randint(0, cfg.keep_best_checkpoints)
+        path = os.path.join(cfg.save_dir, f"checkpoint.best_{metric}_{val_loss:.3f}{digit}{suffix}.pt")
+        if saved is not None:
+            assert PathManager.copy(saved, path, overwrite=True), f"Failed to copy {saved} to {path}"
+        else:
+            trainer.save_checkpoint(path, _extra_state(trainer, epoch_itr, val_loss))
+    ranked = checkpoint_utils.checkpoint_paths(cfg.save_dir, pattern=pattern)  # by score, descending
+    if not cfg.maximize_best_checkpoint_metric:
+        ranked = ranked[::-1]
+    for worse in ranked[cfg.keep_best_checkpoints:]:
+        os.remove(worse)
+
+
+def _extra_state(trainer, epoch_itr, val_loss) -> dict:
+    """The ``extra_state`` fairseq's ``save_checkpoint`` gives a checkpoint."""
+    from fairseq import checkpoint_utils
+
+    state = {"train_iterator": epoch_itr.state_dict(), "val_loss": val_loss}
+    if hasattr(trainer.task, "get_checkpoint_dict"):
+        state.update(trainer.task.get_checkpoint_dict())
+    if hasattr(checkpoint_utils.save_checkpoint, "best"):
+        state["best"] = checkpoint_utils.save_checkpoint.best
+    return state

@@ -1173,3 +1173,28 @@ def test_evaluation_scores_every_sample(trained, tmp_path):
     assert sorted(int(line.split("\t")[0][2:]) for line in log.splitlines() if line.startswith("H-")) == list(
         range(blocks)), log[-3000:]
 
+
+
+def test_keep_best_checkpoints_of_model_parts(trained, tmp_path):
+    """``--keep-best-checkpoints 2`` at size 2, validating after every update:
+    fairseq stopped at the second validation ("could not convert string to
+    float: 'part-0.pt'": it read the score back from the file name by
+    splitting at the last "_", and the part suffix has one). Now each part
+    keeps the checkpoints of the two best validation losses, under fairseq's
+    names (score with 3 decimals, a tie-breaking digit, the part suffix),
+    and the other files are fairseq's usual ones."""
+    save_dir = tmp_path / "ckpt"
+    args = train_args(trained["data"], str(save_dir), max_update=4)
+    args.remove("--disable-validation")
+    args += ["--save-interval-updates", "1", "--keep-interval-updates", "1", "--keep-best-checkpoints", "2"]
+    _, log = fairseq("train", args, nproc=2)
+    losses = _valid_losses(log)
+    assert len(losses) == 4, log[-3000:]
+    files = sorted(os.listdir(save_dir))
+    best = [f for f in files if f.startswith("checkpoint.best_")]
+    for part in (0, 1):
+        scores = sorted(float(m.group(1)[:-1]) for f in best
+                        if (m := re.fullmatch(rf"checkpoint\.best_loss_(\d+\.\d+)-model_part-{part}\.pt", f)))
+        assert scores == sorted(losses)[:2], (scores, losses, files)
+    assert sorted(set(files) - set(best)) == [f"checkpoint{kind}-model_part-{part}.pt"
+                                               for kind in ("_1_4", "_best", "_last") for part in (0, 1)], files

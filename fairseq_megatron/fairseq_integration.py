@@ -202,6 +202,13 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    from its file name by splitting at the last "_", and the part suffix
    ``-model_part-K`` has one. For such suffixes the best-N files are now
    kept here, named, chosen and removed as fairseq does.
+22. :func:`_checkpoint_copies_written_whole` -- fairseq-train writes a
+   save's first file under a temporary name and renames it, but makes the
+   others (``checkpoint_last`` after an epoch or ``--save-interval-updates``
+   checkpoint, ``checkpoint_best``) with ``PathManager.copy``, in place: a run
+   killed during that copy left a truncated ``checkpoint_last`` to resume
+   from. Local copies now go to a temporary name in the same directory and
+   are renamed over the old file.
 """
 
 import atexit
@@ -258,6 +265,7 @@ def install() -> None:
     _evaluation_scores_every_sample()
     _resuming_at_another_data_parallel_size()
     _keep_best_checkpoints_of_model_parts()
+    _checkpoint_copies_written_whole()
     _INSTALLED = True
 
 
@@ -1655,3 +1663,24 @@ def _extra_state(trainer, epoch_itr, val_loss) -> dict:
     if hasattr(checkpoint_utils.save_checkpoint, "best"):
         state["best"] = checkpoint_utils.save_checkpoint.best
     return state
+
+
+def _checkpoint_copies_written_whole() -> None:
+    from fairseq.file_io import PathManager
+
+    original_copy = PathManager.copy
+
+    @functools.wraps(original_copy)
+    def copy(src_path: str, dst_path: str, overwrite: bool = False):
+        if not overwrite or "://" in dst_path:  # no file to protect, or not a local path
+            return original_copy(src_path, dst_path, overwrite=overwrite)
+        partial = f"{dst_path}.tmp-{os.getpid()}"
+        try:
+            copied = original_copy(src_path, partial, overwrite=True)
+            os.replace(partial, dst_path)
+        finally:
+            if os.path.lexists(partial):
+                os.remove(partial)
+        return dst_path if isinstance(copied, str) else copied  # shutil.copyfile's value, or iopath's
+
+    PathManager.copy = staticmethod(copy)

@@ -1198,3 +1198,33 @@ def test_keep_best_checkpoints_of_model_parts(trained, tmp_path):
         assert scores == sorted(losses)[:2], (scores, losses, files)
     assert sorted(set(files) - set(best)) == [f"checkpoint{kind}-model_part-{part}.pt"
                                                for kind in ("_1_4", "_best", "_last") for part in (0, 1)], files
+
+
+def test_an_interrupted_checkpoint_copy_leaves_the_old_file_whole(tmp_path, monkeypatch):
+    """fairseq-train makes ``checkpoint_last`` (after an interval or epoch
+    checkpoint) and ``checkpoint_best`` by copying the file it just saved,
+    with ``PathManager.copy``; upstream that wrote the destination in place,
+    so a copy cut short (the job killed, the disk full) left a truncated
+    ``checkpoint_last``. Here the copy stops half-way with an OSError: the
+    old file is still whole and no temporary file is left; an uninterrupted
+    copy replaces it."""
+    from fairseq.file_io import PathManager
+
+    src, dst = tmp_path / "checkpoint_1_4-model_part-0.pt", tmp_path / "checkpoint_last-model_part-0.pt"
+    src.write_bytes(b"new" * 1000)
+    dst.write_bytes(b"old" * 1000)
+
+    def copy_half(source, destination, **_):
+        data = open(source, "rb").read()
+        with open(destination, "wb") as f:
+            f.write(data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfile", copy_half)
+    with pytest.raises(OSError, match="No space left on device"):
+        PathManager.copy(str(src), str(dst), overwrite=True)
+    assert dst.read_bytes() == b"old" * 1000
+    assert sorted(os.listdir(tmp_path)) == [src.name, dst.name]
+    monkeypatch.undo()
+    assert PathManager.copy(str(src), str(dst), overwrite=True)
+    assert dst.read_bytes() == b"new" * 1000 and sorted(os.listdir(tmp_path)) == [src.name, dst.name]

@@ -209,6 +209,14 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    killed during that copy left a truncated ``checkpoint_last`` to resume
    from. Local copies now go to a temporary name in the same directory and
    are renamed over the old file.
+23. :func:`_part_names_under_directories_with_pt` -- fairseq names a rank's
+   part of ``--restore-file``/``--finetune-from-model`` (and of ``--path``)
+   with ``name.replace(".pt", suffix + ".pt")``, which also rewrites a ".pt"
+   inside a directory name: ``runs/wiki.ptb/model.pt`` became
+   ``runs/wiki-model_part-0.ptb/model-model_part-0.pt``. fairseq-train then
+   logged "No existing checkpoint found" and trained from scratch;
+   fairseq-eval-lm stopped with "Model file not found". Only the file name's
+   ".pt" ending takes the suffix now.
 """
 
 import atexit
@@ -266,6 +274,7 @@ def install() -> None:
     _resuming_at_another_data_parallel_size()
     _keep_best_checkpoints_of_model_parts()
     _checkpoint_copies_written_whole()
+    _part_names_under_directories_with_pt()
     _INSTALLED = True
 
 
@@ -1086,7 +1095,7 @@ def _checkpoints_at_another_model_parallel_size() -> None:
             try:
                 files = find_part_files(filename)
             except FileNotFoundError:
-                if PathManager.exists(filename.replace(".pt", suffix + ".pt") if suffix else filename):
+                if PathManager.exists(_part_name(filename.replace(".pt", suffix + ".pt"), suffix)):
                     files = []  # a file that only fairseq's PathManager reaches (a remote URI)
                 else:
                     raise  # naming the part files looked for too; fairseq named one rank's part
@@ -1684,3 +1693,34 @@ def _checkpoint_copies_written_whole() -> None:
         return dst_path if isinstance(copied, str) else copied  # shutil.copyfile's value, or iopath's
 
     PathManager.copy = staticmethod(copy)
+
+
+def _part_name(named_by_fairseq: str, suffix: str) -> str:
+    """The part file fairseq meant by ``named_by_fairseq``, which it made with
+    ``name.replace(".pt", suffix + ".pt")``: every ".pt" in ``name`` took the
+    suffix, directories included. Names without that damage come back as
+    they are."""
+    name = named_by_fairseq.replace(suffix + ".pt", ".pt") if suffix else named_by_fairseq
+    return name[: -len(".pt")] + suffix + ".pt" if suffix and name.endswith(".pt") else named_by_fairseq
+
+
+def _part_names_under_directories_with_pt() -> None:
+    from fairseq import checkpoint_utils
+    from fairseq.trainer import Trainer
+
+    original_name = checkpoint_utils.get_maybe_sharded_checkpoint_filename
+
+    @functools.wraps(original_name)
+    def get_maybe_sharded_checkpoint_filename(filename, suffix, shard_idx, num_shards):
+        chosen = original_name(filename, suffix, shard_idx, num_shards)
+        return _part_name(chosen, suffix) if chosen == filename.replace(".pt", suffix + ".pt") else chosen
+
+    checkpoint_utils.get_maybe_sharded_checkpoint_filename = get_maybe_sharded_checkpoint_filename
+
+    original_load = Trainer.load_checkpoint
+
+    @functools.wraps(original_load)
+    def load_checkpoint(self, filename, *args, **kwargs):
+        return original_load(self, _part_name(filename, self.checkpoint_suffix), *args, **kwargs)
+
+    Trainer.load_checkpoint = load_checkpoint

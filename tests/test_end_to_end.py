@@ -1228,3 +1228,25 @@ def test_an_interrupted_checkpoint_copy_leaves_the_old_file_whole(tmp_path, monk
     monkeypatch.undo()
     assert PathManager.copy(str(src), str(dst), overwrite=True)
     assert dst.read_bytes() == b"new" * 1000 and sorted(os.listdir(tmp_path)) == [src.name, dst.name]
+
+
+def test_checkpoints_under_a_directory_named_with_pt(trained, tmp_path):
+    """fairseq names a rank's part with ``name.replace(".pt", suffix + ".pt")``,
+    which also rewrote ".pt" inside a directory name: for ``wiki.ptb/
+    checkpoint_last.pt`` rank 0 looked for ``wiki-model_part-0.ptb/
+    checkpoint_last-model_part-0.pt``. fairseq-train ``--restore-file``
+    logged "No existing checkpoint found" and trained from scratch, and
+    fairseq-eval-lm stopped with "Model file not found". Now both load the
+    parts."""
+    directory = tmp_path / "wiki.ptb"
+    directory.mkdir()
+    for rank in (0, 1):
+        shutil.copy(os.path.join(trained["ckpt"], f"checkpoint_last-model_part-{rank}.pt"), directory)
+    path = str(directory / "checkpoint_last.pt")
+    _, log = fairseq("train", train_args(trained["data"], str(tmp_path / "resumed"), max_update=9)
+                     + ["--restore-file", path, "--no-save"], nproc=2)  # 9: above any other test's resume
+    assert re.search(rf"Loaded checkpoint {re.escape(str(directory))}/checkpoint_last-model_part-0\.pt "
+                     r"\(epoch \d+ @ \d+ updates\)", log), log[-3000:]
+    assert "No existing checkpoint found" not in log
+    _, out = fairseq("eval_lm", eval_args(trained["data"], path, 2), nproc=2)
+    assert eval_loss(out) > 0

@@ -835,7 +835,9 @@ def _step_log_without_device_wait() -> None:
         metrics.log_scalar("gnorm", grad_norm, priority=400, round=3)
         clip_norm = self.cfg.optimization.clip_norm
         if clip_norm > 0:
-            clipped = torch.where(grad_norm > clip_norm, grad_norm.new_tensor(100), grad_norm.new_tensor(0))
+            # fairseq builds 100 and 0 with new_tensor: host-to-device copies,
+            # each a wait on the GPU
+            clipped = (grad_norm > clip_norm).to(grad_norm.dtype) * 100
             metrics.log_scalar("clip", clipped, priority=500, round=1)
         with metrics.aggregate() as aggregator:
             if logging_outputs is not None:

@@ -6,8 +6,8 @@
 * our FusedAdamW skips an update with a non-finite gradient norm on the GPU
   and reports it through its pinned host copy;
 * a training step of fairseq's own trainer synchronizes with the GPU
-  nowhere (torch's sync debug mode turns every stream synchronization,
-  ``.item()`` and blocking copy into an error), and fairseq's ``--optimizer
+  nowhere (torch's sync debug mode reports every stream synchronization,
+  ``.item()`` and blocking copy, each with its Python stack), and fairseq's ``--optimizer
   adam`` picks our FusedAdamW for the fp32 weights of ``--bf16-autocast``;
 * ``--offload-activations`` frees the layer inputs' device memory until
   backward and trains to the same gradients.
@@ -86,6 +86,13 @@ def test_fused_adamw_skips_a_nonfinite_update_on_the_gpu():
 
 
 def _step_without_sync(rank, world_size, save_dir, extra_args):
+    """Two training steps after warm-up with torch's sync debug mode on;
+    returns the optimizer class fairseq picked and the Python stack of every
+    synchronizing call (all of them, not only the first, so one GPU run
+    names every site)."""
+    import traceback
+    import warnings
+
     from fairseq_megatron.fused_adam import FusedAdamW
 
     trainer, batches = build_trainer(save_dir, fused=False, extra_args=extra_args, cpu=False)
@@ -93,19 +100,34 @@ def _step_without_sync(rank, world_size, save_dir, extra_args):
     for _ in range(4):  # warm-up: the first steps build, compile, record graphs, empty caches
         trainer.train_step([next(batches)])
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(2):
-            trainer.train_step([next(batches)])
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return picked, FusedAdamW.__name__
+    sites = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing CUDA operation" in str(message):
+            sites.append("".join(traceback.format_stack(limit=8)[:-1]))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(2):
+                trainer.train_step([next(batches)])
+            in_steps = list(sites)
+            torch.ones(1, device="cuda").item()  # the detector's control: a wait it must see
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return picked, FusedAdamW.__name__, in_steps, len(sites) - len(in_steps)
 
 
 @pytest.mark.parametrize("extra_args", [[], ["--compile-layers"], ["--compile-layers", "--cuda-graphs"]],
                          ids=["eager", "compiled-stack", "cuda-graphs"])
 def test_a_training_step_never_synchronizes(tmp_path, extra_args):
-    picked, expected = run_distributed(_step_without_sync, 1, tmp_path, str(tmp_path / "ckpt"), extra_args)[0]
+    picked, expected, sites, control = run_distributed(
+        _step_without_sync, 1, tmp_path, str(tmp_path / "ckpt"), extra_args)[0]
+    assert control == 1  # the recording sees a deliberate .item()
+    distinct = "\n---\n".join(dict.fromkeys(sites))
+    assert not sites, f"{len(sites)} synchronizing calls in two steps, at:\n{distinct}"
     assert picked == expected
 
 

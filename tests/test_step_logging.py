@@ -36,7 +36,7 @@ def _one_step(reduce_and_log_stats, clip_norm: float):
     return returned, logged
 
 
-@pytest.mark.parametrize("clip_norm", [0.0, 1.0])
+@pytest.mark.parametrize("clip_norm", [0.0, 1.0, 5.0])  # no clipping; the norm 3.75 clipped; not
 def test_same_meters_and_dictionary_as_fairseq(clip_norm):
     patched = Trainer._reduce_and_log_stats
     fairseq_own = patched.__wrapped__
@@ -49,6 +49,8 @@ def test_same_meters_and_dictionary_as_fairseq(clip_norm):
     assert theirs["sample_size"] == 12 and theirs["loss"] == round(31.75 / 12 / torch.log(torch.tensor(2.0)).item(), 3)
     assert theirs_logged["gnorm"] == 3.75
     assert ("clip" in theirs_logged) == (clip_norm > 0)
+    if clip_norm > 0:
+        assert theirs_logged["clip"] == (100 if 3.75 > clip_norm else 0)
 
 
 def test_validation_calls_keep_fairseqs_body():

@@ -498,6 +498,7 @@ def draw_png(csv_path: str, png_path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
@@ -505,6 +506,7 @@ def draw_png(csv_path: str, png_path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.5), sharey=True)
     left.barh(labels, [float(r["tokens_per_s"]) for r in rows], color="tab:blue")
     left.set_xlabel("tokens/s (fairseq-train wps)")
+    left.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x / 1e3:g}k" if x else "0"))
     right.barh(labels, [float(r["peak_mem_gib"] or 0) for r in rows], color="tab:orange")
     right.set_xlabel("peak memory per rank, GiB")
     left.invert_yaxis()

@@ -914,6 +914,28 @@ def test_world_size_not_divisible_by_model_parallel_size(trained):
         "with 2 GPUs)"), out[-3000:]
 
 
+def test_refused_options_stop_fairseq_train_before_it_writes(trained, tmp_path):
+    """Options the model cannot take stop fairseq-train while it parses its
+    command line (the architecture function checks them), so nothing is
+    written: before, fairseq created --save-dir and only building the model
+    refused them. One process, and two under torchrun, each rank saying it."""
+    save_dir = tmp_path / "never"
+    args = train_args(trained["data"], str(save_dir), max_update=1)
+    args[args.index("--model-parallel-size") + 1] = "1"
+    rc, out = fairseq("train", args + ["--scale-attn"], check=False)
+    assert rc == 1 and out.rstrip().splitlines()[-1] == (
+        "error: --scale-attn: not implemented by the model-parallel decoder; drop it (fairseq's own "
+        "transformer_lm has it, without model parallelism)"), out[-3000:]
+    assert not save_dir.exists()
+    args = train_args(trained["data"], str(save_dir), max_update=1) + ["--decoder-attention-heads", "3",
+                                                                        "--decoder-embed-dim", "48"]
+    rc, out = fairseq("train", args, nproc=2, check=False)
+    assert rc != 0
+    said = "error: --decoder-attention-heads 3 is not divisible by --model-parallel-size 2"
+    assert out.splitlines().count(said) == 2, out[-3000:]  # one line per process
+    assert not save_dir.exists()
+
+
 def _per_update(log, key):
     """``key=value`` of each logged update (``--log-format simple``, ``--log-interval 1``)."""
     return [float(v) for v in re.findall(rf"\| epoch \d+: +\d+ / \d+ .*?\b{key}=([0-9.]+)", log)]

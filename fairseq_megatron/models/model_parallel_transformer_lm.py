@@ -130,19 +130,51 @@ def _refuse_fully_sharded_data_parallel(model_parallel_size: int, cpu: bool) -> 
         raise UsageError(f"--ddp-backend fully_sharded needs CUDA GPUs (fairscale's FSDP); on CPU {others}")
 
 
-def _refuse_what_the_layers_would_ignore(args) -> None:
-    """transformer_lm options that this decoder accepts from fairseq's parser
-    but does not implement: NormFormer's scalings (``--scale-attn``,
+def check_options(args, model_parallel_size: int) -> None:
+    """Refuse options this model cannot be built or trained with, from the
+    options alone: sizes the model-parallel size does not divide, conflicting
+    precision flags, ``--cuda-graphs`` with gradient accumulation, and
+    transformer_lm options the layers do not implement.
+
+    fairseq's parser gives our archs every transformer_lm option; these the
+    layers would ignore: NormFormer's scalings (``--scale-attn``,
     ``--scale-fc``, ``--scale-heads``, ``--scale-resids``), quantization noise,
-    BASE layers, xformers attention, and input/output dimensions other than
-    the embedding's. The model was built without them (or, for the
-    dimensions, failed in its first forward on mismatched shapes).
-    Checkpoints without these options (the published Megatron-11b's 2020
-    ``args``) pass.
+    BASE layers, xformers attention; input/output dimensions other than the
+    embedding's failed in the first forward on mismatched shapes. Checkpoints
+    without these options (the published Megatron-11b's 2020 ``args``) pass.
+
+    Called by the architecture functions, which fairseq-train runs while
+    parsing its command line (so bad options stop it before it creates
+    ``--save-dir``), and again by ``build_model`` for configs that did not
+    pass through them (checkpoints, Hydra).
 
     Raises:
-        UsageError: the options given, in one message.
+        UsageError: the first refusal, naming the options to change.
+        NotImplementedError: adaptive input/softmax or character embeddings.
     """
+    for flag, value in (
+        ("--decoder-attention-heads", args.decoder_attention_heads),
+        ("--decoder-ffn-embed-dim", args.decoder_ffn_embed_dim),
+    ):
+        if value % model_parallel_size != 0:
+            raise UsageError(f"{flag} {value} is not divisible by --model-parallel-size {model_parallel_size}")
+    if args.decoder_embed_dim % args.decoder_attention_heads != 0:
+        raise UsageError(f"--decoder-embed-dim {args.decoder_embed_dim} is not divisible by "
+                         f"--decoder-attention-heads {args.decoder_attention_heads}")
+    if safe_getattr(args, "bf16_autocast", False):
+        half = [f"--{f.replace('_', '-')}" for f in ("fp16", "memory_efficient_fp16", "amp")
+                if safe_getattr(args, f, False)]
+        if half:
+            raise UsageError(f"--bf16-autocast trains fp32 weights under bf16 autocast; drop {' '.join(half)}")
+    accumulated = max(safe_getattr(args, "update_freq", None) or [1])
+    if safe_getattr(args, "cuda_graphs", False) and accumulated > 1:
+        # The backward graph's weight gradients live in the graphs' memory
+        # pool; the next micro-batch's replay overwrites the gradient being
+        # accumulated (pytorch/pytorch#96693: silently wrong sums).
+        raise UsageError(
+            f"--cuda-graphs with --update-freq {accumulated}: a CUDA graph replay would overwrite "
+            "the gradients being accumulated; use --update-freq 1 (a larger --batch-size instead)"
+        )
     embed_dim = args.decoder_embed_dim
     given = [f"--{flag.replace('_', '-')}" for flag in ("scale_attn", "scale_fc", "scale_heads", "scale_resids")
              if safe_getattr(args, flag, False)]
@@ -155,6 +187,11 @@ def _refuse_what_the_layers_would_ignore(args) -> None:
     if given:
         raise UsageError(f"{' '.join(given)}: not implemented by the model-parallel decoder; drop it "
                          f"(fairseq's own transformer_lm has it, without model parallelism)")
+    if (safe_getattr(args, "character_embeddings", False) or safe_getattr(args, "adaptive_input", False)
+            or safe_getattr(args, "adaptive_softmax_cutoff", None)):
+        raise NotImplementedError(
+            "character embeddings, adaptive input and adaptive softmax are not model parallel"
+        )
 
 
 @take_over_model("model_parallel_transformer_lm")
@@ -167,14 +204,14 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
     ``gather_logits=False`` (what the vocab-parallel criterion asks for).
 
     Raises (from ``build_model``):
-        UsageError (a ValueError): heads, FFN size or embedding size not divisible by the
-            model-parallel size; ``--model-parallel-size`` above 1 in a single
-            process (no launcher); the checkpoint's ``model_parallel_size``
-            differs from the running group size; ``--bf16-autocast`` with
-            ``--fp16``, ``--memory-efficient-fp16`` or ``--amp``; transformer_lm
-            options these layers do not implement (NormFormer scalings,
-            quantization noise, BASE layers, xformers attention, input/output
-            dimensions other than the embedding's).
+        UsageError (a ValueError): ``--model-parallel-size`` above 1 in a
+            single process (no launcher); the checkpoint's
+            ``model_parallel_size`` differs from the running group size;
+            FSDP at model-parallel size > 1 or on CPU; the dictionary is not
+            the one the checkpoint was trained with; and what
+            :func:`check_options` refuses (heads or FFN size not divisible by
+            the model-parallel size, conflicting precision flags,
+            transformer_lm options these layers do not implement).
         NotImplementedError: adaptive input/softmax or character embeddings.
     """
 
@@ -240,35 +277,8 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
                 f"model-parallel group has {group_size} rank(s); pass --model-parallel-size "
                 f"{group_size} with a checkpoint saved at that size (or reshard the checkpoint)"
             )
-        for flag, value in (
-            ("--decoder-attention-heads", args.decoder_attention_heads),
-            ("--decoder-ffn-embed-dim", args.decoder_ffn_embed_dim),
-        ):
-            if value % group_size != 0:
-                raise UsageError(f"{flag} {value} is not divisible by --model-parallel-size {group_size}")
-        if args.decoder_embed_dim % args.decoder_attention_heads != 0:
-            raise UsageError(f"--decoder-embed-dim {args.decoder_embed_dim} is not divisible by "
-                             f"--decoder-attention-heads {args.decoder_attention_heads}")
-        if safe_getattr(args, "bf16_autocast", False):
-            half = [f"--{f.replace('_', '-')}" for f in ("fp16", "memory_efficient_fp16", "amp")
-                    if safe_getattr(args, f, False)]
-            if half:
-                raise UsageError(f"--bf16-autocast trains fp32 weights under bf16 autocast; drop {' '.join(half)}")
-        accumulated = max(safe_getattr(args, "update_freq", None) or [1])
-        if safe_getattr(args, "cuda_graphs", False) and accumulated > 1:
-            # The backward graph's weight gradients live in the graphs' memory
-            # pool; the next micro-batch's replay overwrites the gradient being
-            # accumulated (pytorch/pytorch#96693: silently wrong sums).
-            raise UsageError(
-                f"--cuda-graphs with --update-freq {accumulated}: a CUDA graph replay would overwrite "
-                "the gradients being accumulated; use --update-freq 1 (a larger --batch-size instead)"
-            )
         _refuse_fully_sharded_data_parallel(group_size, cpu=safe_getattr(args, "cpu", False))
-        _refuse_what_the_layers_would_ignore(args)
-        if args.character_embeddings or args.adaptive_input or args.adaptive_softmax_cutoff:
-            raise NotImplementedError(
-                "character embeddings, adaptive input and adaptive softmax are not model parallel"
-            )
+        check_options(args, group_size)
         if args.decoder_layers_to_keep:
             args.decoder_layers = len(args.decoder_layers_to_keep.split(","))
         if safe_getattr(args, "max_target_positions", None) is None:
@@ -584,6 +594,7 @@ def _megatron_common(args, ffn_multiple: int) -> None:
     args.attention_dropout = safe_getattr(args, "attention_dropout", 0.1)
     args.activation_fn = safe_getattr(args, "activation_fn", "gelu")
     base_lm_architecture(args)  # pre-norm, sinusoidal positions, final layer norm
+    check_options(args, int(safe_getattr(args, "model_parallel_size", 1) or 1))
 
 
 @take_over_model_architecture("model_parallel_transformer_lm", "transformer_lm_megatron")

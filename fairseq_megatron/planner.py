@@ -59,6 +59,10 @@ class PlanError(ValueError):
 
 @dataclasses.dataclass
 class ModelShape:
+    """A decoder-only LM's shape: layers, hidden size, attention heads, FFN
+    size, padded vocabulary rows and sequence length (tokens); learned or
+    (default) sinusoidal positions."""
+
     layers: int
     hidden: int
     heads: int
@@ -75,6 +79,10 @@ class ModelShape:
         return self.vocab * h + positions + self.layers * per_layer + 2 * h
 
     def flops_per_token(self) -> float:
+        """Model FLOPs per trained token (forward + backward, no recompute):
+        ``6 * parameters + 12 * layers * hidden * seq_len``, the attention
+        scores and their weighted sum counted in full (Chowdhery et al. 2022,
+        PaLM, appendix B; the formula issue #6 states)."""
         return 6 * self.parameters() + 12 * self.layers * self.hidden * self.seq_len
 
 
@@ -117,6 +125,11 @@ def activation_bytes_per_layer(m: ModelShape, micro_batch: int, tp: int, sequenc
 
 @dataclasses.dataclass
 class Layout:
+    """One (tensor, pipeline, data) parallel layout and its cost per GPU:
+    gradient accumulation steps per optimizer step, parameters, and memory
+    in GB (1e9 bytes) by kind; ``fits`` compares ``total_gb`` with the GPU's
+    memory."""
+
     tp: int
     pp: int
     dp: int
@@ -232,6 +245,8 @@ def _why_no_layout(m, gpus, gpus_per_node, micro_batch, global_batch) -> str:
 
 
 def model_tflops_per_step(m: ModelShape, global_batch: int) -> float:
+    """Model TFLOPs (1e12 FLOPs) of one optimizer step over ``global_batch``
+    sequences of ``m.seq_len`` tokens."""
     return m.flops_per_token() * global_batch * m.seq_len / 1e12
 
 

@@ -147,4 +147,4 @@ def test_bad_config_ends_as_one_error_line(data, tmp_path):
     assert rc == 1, out[-3000:]
     assert "error: --decoder-embed-dim 64 is not divisible by --decoder-attention-heads 3" in out, out[-3000:]
     assert "Traceback" not in out and "Error executing job" not in out, out[-3000:]
-    assert not os.path.exists(tmp_path / "ckpt" / "checkpoint_last.pt")
+    assert not os.path.exists(tmp_path / "ckpt")  # refused before fairseq-train creates its save_dir

@@ -25,7 +25,8 @@ Two more differences from the stock tool, both for our architectures only:
 - Bad input (:class:`~fairseq_megatron.errors.UsageError`, a missing
   file) ends as one ``error: ...`` line and exit status 1, as in
   fairseq-train (``fairseq_integration`` step 14), instead of Hydra's
-  report with a traceback.
+  report with a traceback; bad model options end it before fairseq
+  creates ``checkpoint.save_dir``.
 """
 
 import functools
@@ -67,6 +68,28 @@ def with_run_settings(cfg: DictConfig) -> None:
                 model[key] = "${" + source + "}"
 
 
+def check_model_options(cfg: DictConfig) -> None:
+    """Run our architecture's function, and with it
+    :func:`~fairseq_megatron.models.model_parallel_transformer_lm.check_options`,
+    on a resolved copy of ``cfg.model``: bad model options stop the run
+    before fairseq-train creates ``checkpoint.save_dir``, as they do in
+    fairseq-train's parser. Other models' configs are left alone.
+
+    Raises:
+        UsageError: what :func:`check_options` refuses.
+    """
+    from argparse import Namespace
+
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+
+    from fairseq_megatron.models.model_parallel_transformer_lm import is_model_parallel_arch
+
+    model = cfg.get("model")
+    if not isinstance(model, DictConfig) or not is_model_parallel_arch(model.get("_name")):
+        return
+    ARCH_CONFIG_REGISTRY[model._name](Namespace(**OmegaConf.to_container(model, resolve=True)))
+
+
 def _install_into(hydra_train) -> None:
     """Wrap the two functions of module ``fairseq_cli.hydra_train`` that
     its ``hydra_main`` looks up at call time."""
@@ -76,6 +99,7 @@ def _install_into(hydra_train) -> None:
     def add_defaults(cfg):
         original_add_defaults(cfg)
         with_run_settings(cfg)
+        check_model_options(cfg)
 
     original_hydra_main = hydra_train._hydra_main
 

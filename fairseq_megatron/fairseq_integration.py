@@ -217,6 +217,13 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    logged "No existing checkpoint found" and trained from scratch;
    fairseq-eval-lm stopped with "Model file not found". Only the file name's
    ".pt" ending takes the suffix now.
+24. :func:`_launch_checked_before_fairseq_train_writes` -- fairseq-train's
+   ``main`` creates ``--save-dir`` (and writes a probe file into it) first,
+   and only building the model refused ``--model-parallel-size`` > 1 in one
+   process without a launcher and ``--ddp-backend fully_sharded``, so both
+   left an empty save dir behind. ``main`` now checks them first, for our
+   architectures (the model's option checks already run while fairseq
+   parses the command line).
 """
 
 import atexit
@@ -275,6 +282,7 @@ def install() -> None:
     _keep_best_checkpoints_of_model_parts()
     _checkpoint_copies_written_whole()
     _part_names_under_directories_with_pt()
+    _launch_checked_before_fairseq_train_writes()
     _INSTALLED = True
 
 
@@ -1726,3 +1734,27 @@ def _part_names_under_directories_with_pt() -> None:
         return original_load(self, _part_name(filename, self.checkpoint_suffix), *args, **kwargs)
 
     Trainer.load_checkpoint = load_checkpoint
+
+
+def _launch_checked_before_fairseq_train_writes() -> None:
+    import torch.distributed as dist
+
+    from fairseq_megatron.models.model_parallel_transformer_lm import (
+        check_data_parallel_backend,
+        check_processes,
+        is_model_parallel_arch,
+    )
+
+    def wrap_train(original_main, module):
+        def main(cfg, **kwargs):
+            # fairseq_cli.train: "arch" in the parsed namespace, "_name" in a Hydra config
+            arch = getattr(cfg.model, "_name", None) or getattr(cfg.model, "arch", None)
+            if is_model_parallel_arch(arch):
+                size = cfg.common.model_parallel_size
+                check_processes(size, dist.get_world_size() if dist.is_initialized() else 1)
+                check_data_parallel_backend(cfg.distributed_training.ddp_backend, size, cfg.common.cpu)
+            return original_main(cfg, **kwargs)
+
+        return main
+
+    _patch_cli_main("fairseq_cli.train", wrap_train)

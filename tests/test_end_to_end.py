@@ -901,17 +901,36 @@ def test_one_part_file_as_path_is_refused(trained):
             f"--path {os.path.join(trained['ckpt'], 'checkpoint_last.pt')}") in out, out[-3000:]
 
 
-def test_world_size_not_divisible_by_model_parallel_size(trained):
-    args = train_args(trained["data"], str(trained["root"] / "never"), max_update=1)
+def test_world_size_not_divisible_by_model_parallel_size(trained, tmp_path):
+    """Refused before fairseq-train writes anything: the save dir is not
+    created (the one-process case created it, empty, before step 24)."""
+    save_dir = tmp_path / "never"
+    args = train_args(trained["data"], str(save_dir), max_update=1)
     rc, out = fairseq("train", args, nproc=3, check=False)
     assert rc != 0
     assert "[rank0]: error: world size 3 is not divisible by --model-parallel-size 2" in out, out[-3000:]
+    assert not save_dir.exists()
     # one process, no launcher (the commonest slip): it said the model's size differed from the group's
     rc, out = fairseq("train", args, check=False)
     assert rc == 1 and out.rstrip().splitlines()[-1] == (
         "error: --model-parallel-size 2 needs 2 processes, one per model part, and this run is one process: "
         "launch it with torchrun --nproc_per_node 2 (or give fairseq --distributed-world-size 2 on a machine "
         "with 2 GPUs)"), out[-3000:]
+    assert not save_dir.exists()
+
+
+def test_fully_sharded_data_parallel_refused_before_fairseq_train_writes(trained, tmp_path):
+    """``--ddp-backend fully_sharded`` at model-parallel size 1 on CPU: one
+    error line and no save dir (it was refused while fairseq built the model
+    inside FSDP's wrap, after creating --save-dir)."""
+    save_dir = tmp_path / "never"
+    args = train_args(trained["data"], str(save_dir), max_update=1)
+    args[args.index("--model-parallel-size") + 1] = "1"
+    rc, out = fairseq("train", args + ["--ddp-backend", "fully_sharded"], check=False)
+    assert rc == 1 and out.rstrip().splitlines()[-1] == (
+        "error: --ddp-backend fully_sharded needs CUDA GPUs (fairscale's FSDP); on CPU use --ddp-backend "
+        "pytorch_ddp (the default), no_c10d or legacy_ddp"), out[-3000:]
+    assert not save_dir.exists()
 
 
 def test_refused_options_stop_fairseq_train_before_it_writes(trained, tmp_path):

@@ -148,3 +148,10 @@ def test_bad_config_ends_as_one_error_line(data, tmp_path):
     assert "error: --decoder-embed-dim 64 is not divisible by --decoder-attention-heads 3" in out, out[-3000:]
     assert "Traceback" not in out and "Error executing job" not in out, out[-3000:]
     assert not os.path.exists(tmp_path / "ckpt")  # refused before fairseq-train creates its save_dir
+    # a model-parallel size without a launcher, found once the run's processes are known
+    config = write_config(tmp_path / "config2", data, str(tmp_path / "ckpt"), 2)
+    rc, out = hydra_train(config, ["distributed_training.distributed_world_size=1"], check=False)
+    assert rc == 1, out[-3000:]
+    assert out.rstrip().splitlines()[-1].startswith(
+        "error: --model-parallel-size 2 needs 2 processes, one per model part, and this run is one process"), out[-3000:]
+    assert not os.path.exists(tmp_path / "ckpt")

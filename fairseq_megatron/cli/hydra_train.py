@@ -26,7 +26,8 @@ Two more differences from the stock tool, both for our architectures only:
   file) ends as one ``error: ...`` line and exit status 1, as in
   fairseq-train (``fairseq_integration`` step 14), instead of Hydra's
   report with a traceback; bad model options end it before fairseq
-  creates ``checkpoint.save_dir``.
+  creates ``checkpoint.save_dir``, and so does a model-parallel size
+  without the processes for it (``fairseq_integration`` step 24).
 """
 
 import functools

@@ -104,22 +104,43 @@ def pad_dictionary(dictionary, model_parallel_size: int, padded_vocab_size: Opti
     return len(dictionary)
 
 
-def _refuse_fully_sharded_data_parallel(model_parallel_size: int, cpu: bool) -> None:
-    """fairseq-train ``--ddp-backend fully_sharded`` builds the model inside
-    fairscale's ``enable_wrap`` (``fairseq/distributed/fully_sharded_data_parallel.py``)
-    to wrap it in FSDP, which flattens the parameters and shards them over the
+def check_processes(model_parallel_size: int, processes: int) -> None:
+    """Refuse ``model_parallel_size`` model parts in one process.
+
+    ``processes`` is the run's world size (1 when torch.distributed is not
+    initialised: no launcher). A world size that ``model_parallel_size``
+    does not divide is refused where the groups are made
+    (:func:`fairseq_megatron.parallel_state.initialize_model_parallel`).
+
+    Raises:
+        UsageError: ``model_parallel_size`` > 1 and ``processes`` == 1.
+    """
+    if model_parallel_size > 1 and processes == 1:
+        raise UsageError(
+            f"--model-parallel-size {model_parallel_size} needs {model_parallel_size} processes, one per model "
+            f"part, and this run is one process: launch it with torchrun --nproc_per_node {model_parallel_size} "
+            f"(or give fairseq --distributed-world-size {model_parallel_size} on a machine with "
+            f"{model_parallel_size} GPUs)"
+        )
+
+
+def check_data_parallel_backend(ddp_backend: str, model_parallel_size: int, cpu: bool) -> None:
+    """Refuse fairseq-train's ``--ddp-backend fully_sharded`` for this model.
+
+    fairseq-train then builds the model inside fairscale's ``enable_wrap``
+    (``fairseq/distributed/fully_sharded_data_parallel.py``) to wrap it in
+    FSDP, which flattens the parameters and shards them over the
     data-parallel ranks. At model-parallel size > 1 the gradient norm
     (:mod:`fairseq_megatron.grad_norm`: each parameter's rule found by name,
     summed over the model-parallel group only) and the model part files
     expect every rank to hold its whole part, so that is refused; on CPU
-    fairscale's FSDP fails with "Torch not compiled with CUDA enabled".
+    (``cpu``, or no CUDA) fairscale's FSDP fails with "Torch not compiled
+    with CUDA enabled". Other backends pass.
 
     Raises:
         UsageError: either case.
     """
-    from fairscale.nn.wrap.auto_wrap import ConfigAutoWrap
-
-    if not ConfigAutoWrap.in_autowrap_context:
+    if ddp_backend != "fully_sharded":
         return
     others = "use --ddp-backend pytorch_ddp (the default), no_c10d or legacy_ddp"
     if model_parallel_size > 1:
@@ -128,6 +149,16 @@ def _refuse_fully_sharded_data_parallel(model_parallel_size: int, cpu: bool) -> 
                          f"ranks); {others}")
     if cpu or not torch.cuda.is_available():
         raise UsageError(f"--ddp-backend fully_sharded needs CUDA GPUs (fairscale's FSDP); on CPU {others}")
+
+
+def _data_parallel_backend_being_built() -> str:
+    """``fully_sharded`` while fairseq-train builds the model inside
+    fairscale's ``enable_wrap`` (its FSDP backend), else ``pytorch_ddp``.
+    Not the config's ``ddp_backend``: a checkpoint's config records the
+    backend of its training, and evaluating it builds the model without FSDP."""
+    from fairscale.nn.wrap.auto_wrap import ConfigAutoWrap
+
+    return "fully_sharded" if ConfigAutoWrap.in_autowrap_context else "pytorch_ddp"
 
 
 def check_options(args, model_parallel_size: int) -> None:
@@ -264,20 +295,15 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         base_lm_architecture(args)
         group_size = parallel_state.get_tensor_model_parallel_world_size()
         wanted = int(safe_getattr(args, "model_parallel_size", 1) or 1)
-        one_process = not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1)
-        if wanted > group_size == 1 and one_process:
-            raise UsageError(
-                f"--model-parallel-size {wanted} needs {wanted} processes, one per model part, and this run is "
-                f"one process: launch it with torchrun --nproc_per_node {wanted} (or give fairseq "
-                f"--distributed-world-size {wanted} on a machine with {wanted} GPUs)"
-            )
+        check_processes(wanted, torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
         if wanted != group_size:
             raise UsageError(
                 f"the model is configured for model-parallel size {wanted} but this run's "
                 f"model-parallel group has {group_size} rank(s); pass --model-parallel-size "
                 f"{group_size} with a checkpoint saved at that size (or reshard the checkpoint)"
             )
-        _refuse_fully_sharded_data_parallel(group_size, cpu=safe_getattr(args, "cpu", False))
+        check_data_parallel_backend(_data_parallel_backend_being_built(), group_size,
+                                    cpu=safe_getattr(args, "cpu", False))
         check_options(args, group_size)
         if args.decoder_layers_to_keep:
             args.decoder_layers = len(args.decoder_layers_to_keep.split(","))

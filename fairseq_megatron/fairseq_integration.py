@@ -224,6 +224,12 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    left an empty save dir behind. ``main`` now checks them first, for our
    architectures (the model's option checks already run while fairseq
    parses the command line).
+25. :func:`_finished_training_left_as_it_is` -- fairseq-train resumed from a
+   checkpoint that has reached ``--max-update`` (the same command run again,
+   a requeued job) trained one more update before testing the limit, and
+   saved it over ``checkpoint_last`` (and an interval checkpoint): each
+   rerun moved the finished model on by one update. It now logs that there
+   is nothing to train and stops without saving.
 """
 
 import atexit
@@ -283,6 +289,7 @@ def install() -> None:
     _checkpoint_copies_written_whole()
     _part_names_under_directories_with_pt()
     _launch_checked_before_fairseq_train_writes()
+    _finished_training_left_as_it_is()
     _INSTALLED = True
 
 
@@ -1758,3 +1765,22 @@ def _launch_checked_before_fairseq_train_writes() -> None:
         return main
 
     _patch_cli_main("fairseq_cli.train", wrap_train)
+
+
+def _finished_training_left_as_it_is() -> None:
+    def wrap(train):
+        @functools.wraps(train)
+        def train_unless_finished(cfg, trainer, task, epoch_itr):
+            """fairseq_cli.train's ``train`` (one epoch), which tests
+            ``--max-update`` only after each update; every rank has loaded the
+            same update count, so all of them stop here alike."""
+            max_update = cfg.optimization.max_update
+            if max_update and trainer.get_num_updates() >= max_update:
+                logger.info(f"nothing to train: the checkpoint is at update {trainer.get_num_updates()}, "
+                            f"--max-update is {max_update}; no checkpoint saved")
+                return [None], True  # (validation losses, stop), as after an update that reached the limit
+            return train(cfg, trainer, task, epoch_itr)
+
+        return train_unless_finished
+
+    _replace_in_cli_module("fairseq_cli.train", "train", wrap)

@@ -919,6 +919,20 @@ def test_world_size_not_divisible_by_model_parallel_size(trained, tmp_path):
     assert not save_dir.exists()
 
 
+def test_finished_training_run_again_trains_nothing(trained, tmp_path):
+    """The fixture's command run again on its finished checkpoint (4 updates,
+    --max-update 4), as a requeued job would: fairseq trained a 5th update
+    and saved it over checkpoint_last. Now nothing is trained and the part
+    files stay byte for byte as they were."""
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(trained["ckpt"], save_dir)
+    before = {name: (save_dir / name).read_bytes() for name in os.listdir(save_dir)}
+    _, log = fairseq("train", train_args(trained["data"], str(save_dir), max_update=4), nproc=2)
+    assert "nothing to train: the checkpoint is at update 4, --max-update is 4; no checkpoint saved" in log, log[-3000:]
+    assert "num_updates=5" not in log and "training on 2 devices" in log, log[-3000:]
+    assert {name: (save_dir / name).read_bytes() for name in os.listdir(save_dir)} == before
+
+
 def test_fully_sharded_data_parallel_refused_before_fairseq_train_writes(trained, tmp_path):
     """``--ddp-backend fully_sharded`` at model-parallel size 1 on CPU: one
     error line and no save dir (it was refused while fairseq built the model

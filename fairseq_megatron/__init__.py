@@ -8,13 +8,46 @@ package makes fairseq's ``--model-parallel-size`` work (see
 criterion.
 """
 
+import contextlib
+import logging
 import os
+import sys
+import warnings
 
-from fairseq_megatron import fairseq_integration
 
-fairseq_integration.install()
+@contextlib.contextmanager
+def _fairseq_imported_quietly():
+    """Hold off what importing fairseq 0.12 does to the whole process, when
+    this package imports it first (our command-line tools, a Python program
+    using the hub): ``fairseq/models/wav2vec/wav2vec2_classification.py``
+    calls ``logging.basicConfig(level=DEBUG)``, after which every library's
+    debug messages reach standard error (80 lines of matplotlib's font search
+    for one ``fairseq-megatron-plan --png``); ``fairseq/tasks/text_to_speech.py``
+    logs "Please install tensorboardX"; fairscale 0.4.13 warns twice at import
+    that ``torch.cuda.amp.custom_fwd`` is deprecated. While the root logger
+    holds a handler, ``basicConfig`` does nothing. fairseq's own tools
+    configure logging and import fairseq before loading a user dir, so there
+    this changes nothing."""
+    root = logging.getLogger()
+    if "fairseq" in sys.modules or root.handlers:
+        yield
+        return
+    placeholder = logging.NullHandler()
+    root.addHandler(placeholder)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, module=r"fairscale\.")
+            yield
+    finally:
+        root.removeHandler(placeholder)
 
-from fairseq_megatron import criterions, models  # noqa: E402,F401  (registers names)
+
+with _fairseq_imported_quietly():
+    from fairseq_megatron import fairseq_integration
+
+    fairseq_integration.install()
+
+    from fairseq_megatron import criterions, models  # noqa: F401  (registers names)
 
 USER_DIR = os.path.dirname(os.path.abspath(__file__))
 """The path to pass as fairseq's ``--user-dir``."""

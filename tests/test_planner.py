@@ -1,6 +1,7 @@
 """The parallelism planner against published parameter counts and measured memory."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -138,6 +139,22 @@ def test_cli_table_json_and_errors(capsys):
     assert plan_parallelism.main(["--layers", "2", "--hidden", "70", "--heads", "4", "--gpus", "4",
                                   "--global-batch", "4"]) == 1
     assert capsys.readouterr().err.strip() == "error: hidden 70 is not divisible by heads 4"
+
+
+def test_cli_png_is_written_whole(capsys, tmp_path):
+    """--png replaces an existing chart by a whole one (written under a
+    temporary name, then renamed) and leaves nothing else; a directory that
+    does not exist is one error line, exit 1."""
+    chart = tmp_path / "layouts.png"
+    chart.write_bytes(b"an older chart")
+    args = ["--arch", "transformer_lm_megatron_11b", "--gpus", "8", "--global-batch", "64"]
+    assert plan_parallelism.main(args + ["--png", str(chart)]) == 0
+    assert chart.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and os.listdir(tmp_path) == ["layouts.png"]
+    capsys.readouterr()
+    missing = tmp_path / "no-such-dir" / "layouts.png"
+    assert plan_parallelism.main(args + ["--png", str(missing)]) == 1
+    assert capsys.readouterr().err.strip() == f"error: --png {missing}: No such file or directory"
+    assert os.listdir(tmp_path) == ["layouts.png"]
 
 
 @pytest.mark.parametrize("flag,value", [("--gpus", "0"), ("--layers", "0"), ("--gpu-memory", "-5"),

@@ -13,6 +13,7 @@ fairseq_megatron/planner.py.
 
 import argparse
 import json
+import os
 import sys
 
 from fairseq_megatron.planner import (
@@ -99,7 +100,14 @@ def write_png(layouts, path):
     ax.legend()
     plt.xticks(rotation=45, ha="right")
     fig.tight_layout()
-    fig.savefig(path)
+    partial = f"{path}.tmp-{os.getpid()}.png"  # written whole, then renamed over ``path``
+    try:
+        fig.savefig(partial)
+        os.replace(partial, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(partial):
+            os.remove(partial)
 
 
 def main(argv=None) -> int:
@@ -138,6 +146,9 @@ def main(argv=None) -> int:
             write_png(layouts, args.png)
         except ImportError:
             print("error: --png needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 1
+        except OSError as e:  # a missing directory, no permission
+            print(f"error: --png {args.png}: {e.strerror}", file=sys.stderr)
             return 1
     return 0
 

@@ -164,6 +164,8 @@ def model_config(state: dict):
 
 
 def config_value(config, name: str, default=None):
+    """``config[name]`` or ``config.name`` (a checkpoint holds dicts, DictConfigs or Namespaces);
+    ``default`` where the config or the name is missing."""
     if config is None:
         return default
     return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)

@@ -36,16 +36,26 @@ get_model_parallel_src_rank = parallel_state.get_tensor_model_parallel_src_rank
 
 
 def copy_to_model_parallel_region(x):
+    """Identity forward, all-reduce of the gradient over this rank's tensor-model-parallel
+    group (Megatron-LM ``mpu.copy_to_model_parallel_region``); any shape."""
     return copy_to_tensor_model_parallel_region(x, parallel_state.get_tensor_model_parallel_group())
 
 
 def reduce_from_model_parallel_region(x):
+    """All-reduce (sum) over this rank's tensor-model-parallel group, identity backward
+    (Megatron-LM ``mpu.reduce_from_model_parallel_region``); any shape."""
     return reduce_from_tensor_model_parallel_region(x, parallel_state.get_tensor_model_parallel_group())
 
 
 def scatter_to_model_parallel_region(x):
+    """This rank's slice of the last dimension, ``(..., H)`` -> ``(..., H / N)``; the
+    backward gathers (Megatron-LM ``mpu.scatter_to_model_parallel_region``).
+    Raises ValueError when N does not divide H."""
     return scatter_to_tensor_model_parallel_region(x, parallel_state.get_tensor_model_parallel_group())
 
 
 def gather_from_model_parallel_region(x):
+    """All-gather along the last dimension, ``(..., H / N)`` -> ``(..., H)``, rank 0's
+    slice first; the backward keeps this rank's slice
+    (Megatron-LM ``mpu.gather_from_model_parallel_region``)."""
     return gather_from_tensor_model_parallel_region(x, parallel_state.get_tensor_model_parallel_group())

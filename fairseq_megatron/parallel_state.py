@@ -64,6 +64,7 @@ def destroy_model_parallel() -> None:
 
 
 def model_parallel_is_initialized() -> bool:
+    """Whether :func:`initialize_model_parallel` has built the groups (and they were not destroyed)."""
     return _fs.model_parallel_is_initialized()
 
 
@@ -111,18 +112,22 @@ def rank(group: ProcessGroup) -> int:
 
 
 def get_tensor_model_parallel_world_size() -> int:
+    """The model-parallel size N (1 in a single process)."""
     return world_size(get_tensor_model_parallel_group())
 
 
 def get_tensor_model_parallel_rank() -> int:
+    """This rank's index in its tensor-model-parallel group, 0..N-1: which model part it holds."""
     return rank(get_tensor_model_parallel_group())
 
 
 def get_data_parallel_world_size() -> int:
+    """Number of model copies, world size / N (1 in a single process)."""
     return world_size(get_data_parallel_group())
 
 
 def get_data_parallel_rank() -> int:
+    """Which model copy this rank belongs to: the data shard it reads."""
     return rank(get_data_parallel_group())
 
 

@@ -251,6 +251,7 @@ def model_tflops_per_step(m: ModelShape, global_batch: int) -> float:
 
 
 def humanize(n: float) -> str:
+    """``n`` with a T/B/M/K suffix and two decimals (``1.31e9`` -> ``"1.31B"``)."""
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
             return f"{n / scale:.2f}{unit}"

@@ -127,6 +127,8 @@ _TRACKER = RNGStatesTracker()
 
 
 def get_rng_tracker() -> RNGStatesTracker:
+    """The process's one tracker (Megatron-LM's ``get_cuda_rng_tracker``), seeded by
+    :func:`model_parallel_manual_seed`."""
     return _TRACKER
 
 

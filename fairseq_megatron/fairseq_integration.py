@@ -1744,8 +1744,7 @@ def _part_names_under_directories_with_pt() -> None:
 
 
 def _launch_checked_before_fairseq_train_writes() -> None:
-    import torch.distributed as dist
-
+    from fairseq_megatron import parallel_state
     from fairseq_megatron.models.model_parallel_transformer_lm import (
         check_data_parallel_backend,
         check_processes,
@@ -1758,7 +1757,7 @@ def _launch_checked_before_fairseq_train_writes() -> None:
             arch = getattr(cfg.model, "_name", None) or getattr(cfg.model, "arch", None)
             if is_model_parallel_arch(arch):
                 size = cfg.common.model_parallel_size
-                check_processes(size, dist.get_world_size() if dist.is_initialized() else 1)
+                check_processes(size, parallel_state.world_size(None))
                 check_data_parallel_backend(cfg.distributed_training.ddp_backend, size, cfg.common.cpu)
             return original_main(cfg, **kwargs)
 

@@ -77,7 +77,7 @@ def from_pretrained(
             :func:`fairseq_megatron.checkpoint_resharding.resharded_model`).
     """
     init_distributed_from_env()
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = parallel_state.world_size(None)
     size = model_parallel_size or world
     if world > 1 and not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(size)  # size 1: each rank a whole model

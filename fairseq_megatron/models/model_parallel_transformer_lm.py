@@ -295,7 +295,7 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         base_lm_architecture(args)
         group_size = parallel_state.get_tensor_model_parallel_world_size()
         wanted = int(safe_getattr(args, "model_parallel_size", 1) or 1)
-        check_processes(wanted, torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
+        check_processes(wanted, parallel_state.world_size(None))
         if wanted != group_size:
             raise UsageError(
                 f"the model is configured for model-parallel size {wanted} but this run's "

@@ -223,7 +223,11 @@ one fact listed in the project's FAIRSEQ_FACTS.md:
    process without a launcher and ``--ddp-backend fully_sharded``, so both
    left an empty save dir behind. ``main`` now checks them first, for our
    architectures (the model's option checks already run while fairseq
-   parses the command line).
+   parses the command line). The refusals that need the task or a
+   checkpoint (a dict.txt other than the checkpoint's, training samples
+   all longer than the model's positions) come after ``main`` made
+   the directory; a run that fails removes the directories it made if they
+   are still empty.
 25. :func:`_finished_training_left_as_it_is` -- fairseq-train resumed from a
    checkpoint that has reached ``--max-update`` (the same command run again,
    a requeued job) trained one more update before testing the limit, and
@@ -1751,6 +1755,8 @@ def _launch_checked_before_fairseq_train_writes() -> None:
         is_model_parallel_arch,
     )
 
+    from fairseq import distributed_utils
+
     def wrap_train(original_main, module):
         def main(cfg, **kwargs):
             # fairseq_cli.train: "arch" in the parsed namespace, "_name" in a Hydra config
@@ -1759,11 +1765,41 @@ def _launch_checked_before_fairseq_train_writes() -> None:
                 size = cfg.common.model_parallel_size
                 check_processes(size, parallel_state.world_size(None))
                 check_data_parallel_backend(cfg.distributed_training.ddp_backend, size, cfg.common.cpu)
-            return original_main(cfg, **kwargs)
+            # fairseq's main makes --save-dir on the master rank only
+            made = _directories_missing(cfg.checkpoint.save_dir) if distributed_utils.is_master(
+                cfg.distributed_training) else []
+            try:
+                return original_main(cfg, **kwargs)
+            except BaseException:
+                _remove_while_empty(made)
+                raise
 
         return main
 
     _patch_cli_main("fairseq_cli.train", wrap_train)
+
+
+def _directories_missing(path: str) -> list:
+    """``path`` and those of its ancestors that do not exist, deepest first."""
+    missing = []
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def _remove_while_empty(directories: list) -> None:
+    """``os.rmdir`` each of ``directories`` (deepest first) until one is
+    missing or not empty: never removes a file, nor a directory a file is in."""
+    for directory in directories:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return
 
 
 def _finished_training_left_as_it_is() -> None:

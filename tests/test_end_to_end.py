@@ -742,6 +742,7 @@ def test_a_dictionary_other_than_the_trained_one_is_one_error_line(trained, tmp_
     line = f"error: the dictionary has 502 symbols but {path} was trained with 512: wrong dict.txt for this checkpoint"
     assert rc != 0 and f"[rank0]: {line}" in out and f"[rank1]: {line}" in out, out[-3000:]
     assert "num_updates" not in out
+    assert not (tmp_path / "finetune").exists()  # made by fairseq-train's main, removed when it failed
 
 
 def test_a_truncated_part_file_is_one_error_line_on_every_rank(trained, tmp_path):
@@ -880,15 +881,18 @@ def test_training_on_samples_all_longer_than_the_model_is_one_error_line(trained
     """fairseq-train skips training samples longer than the model's
     positions, with a warning; where that is all of them (blocks of about 32
     tokens, the last one included, for a model of 16 positions) it failed
-    with an IndexError in its batching. Now one line, before any update."""
+    with an IndexError in its batching. Now one line, before any update, and
+    the save dir fairseq-train's main made (with its parent) is gone again."""
     train = data_utils.load_indexed_dataset(os.path.join(trained["data"], "train"), None)  # sizes: its memory map
     tokens = int(train.sizes.sum())
     block = next(b for b in range(32, 64) if tokens % b == 0 or tokens % b > 16)  # no last block of <= 16
-    rc, out = train_without_dropout(trained["data"], tmp_path, 2, 1, "--max-target-positions", "16",
+    save_dir = tmp_path / "runs" / "never"
+    rc, out = train_without_dropout(trained["data"], save_dir, 2, 1, "--max-target-positions", "16",
                                     "--tokens-per-sample", str(block), check=False)
     assert rc == 1 and re.fullmatch(
         r"error: all [0-9,]+ samples are longer than the model's positions \(max_positions=16\): "
         r"lower --tokens-per-sample", out.rstrip().splitlines()[-1]) and "num_updates" not in out, out[-3000:]
+    assert os.listdir(tmp_path) == []
 
 
 def test_one_part_file_as_path_is_refused(trained):

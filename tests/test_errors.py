@@ -1,5 +1,6 @@
 """Clear errors for impossible configurations and bad checkpoints."""
 
+import os
 import re
 
 import pytest
@@ -94,6 +95,25 @@ def _world_not_divisible_worker(rank, world_size):
 def test_world_size_must_divide(tmp_path):
     results = run_distributed(_world_not_divisible_worker, 3, tmp_path)
     assert results == ["world size 3 is not divisible by --model-parallel-size 2"] * 3
+
+
+def test_a_failed_fairseq_train_removes_only_the_empty_directories_it_made(tmp_path):
+    """The clean-up after a failed fairseq-train (fairseq_integration step
+    24): of ``runs/a/b``, made by the run, each directory goes while it is
+    empty; one holding a file (a part saved before the failure) stays, and so
+    does everything that existed before (``tmp_path``)."""
+    from fairseq_megatron.fairseq_integration import _directories_missing, _remove_while_empty
+
+    made = _directories_missing(str(tmp_path / "runs" / "a" / "b"))
+    assert made == [str(tmp_path / "runs" / "a" / "b"), str(tmp_path / "runs" / "a"), str(tmp_path / "runs")]
+    os.makedirs(made[0])
+    _remove_while_empty(made)
+    assert os.listdir(tmp_path) == []
+
+    os.makedirs(made[0])
+    open(os.path.join(made[0], "checkpoint_last-model_part-0.pt"), "w").close()
+    _remove_while_empty(made)
+    assert os.listdir(made[0]) == ["checkpoint_last-model_part-0.pt"]
 
 
 def test_model_parallel_size_without_distributed_init():

@@ -1748,14 +1748,14 @@ def _part_names_under_directories_with_pt() -> None:
 
 
 def _launch_checked_before_fairseq_train_writes() -> None:
+    from fairseq import distributed_utils
+
     from fairseq_megatron import parallel_state
     from fairseq_megatron.models.model_parallel_transformer_lm import (
         check_data_parallel_backend,
         check_processes,
         is_model_parallel_arch,
     )
-
-    from fairseq import distributed_utils
 
     def wrap_train(original_main, module):
         def main(cfg, **kwargs):
@@ -1780,15 +1780,13 @@ def _launch_checked_before_fairseq_train_writes() -> None:
 
 
 def _directories_missing(path: str) -> list:
-    """``path`` and those of its ancestors that do not exist, deepest first."""
+    """``path`` and those of its ancestors that do not exist, deepest first
+    (the walk ends at the file system's root at the latest, which exists)."""
     missing = []
     path = os.path.abspath(path)
     while not os.path.exists(path):
         missing.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
+        path = os.path.dirname(path)
     return missing
 
 

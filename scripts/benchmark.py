@@ -34,8 +34,10 @@ so ratios compare numbers taken on the same machine at the same time.
 compiled minimal GPT that issue #6 sets as the target (its ``bench`` for this
 shape with ``compile_=True``, in a fresh process; no fairseq-train, its own
 50,048-row vocabulary and random tokens).
-``--csv`` appends one row per configuration; ``--png`` draws tokens/s and
-peak memory per configuration from every row of that CSV (matplotlib).
+``--csv`` adds one row per configuration to that file (the whole file is
+written under a temporary name, then renamed; a file with other columns is
+refused before anything runs); ``--png`` draws tokens/s and peak memory per
+configuration from every row of that CSV (matplotlib).
 
 ``--shape tiny`` runs on a CPU in about a minute (CI runs it at
 model-parallel size 2 with gloo).
@@ -483,13 +485,32 @@ def describe(row: dict, peak_tflops: float) -> str:
             f"{peak_tflops:g}, peak memory {row['peak_mem_gib']} GiB (world size {row['world_size']})")
 
 
-def append_csv(path: str, rows) -> None:
-    new = not os.path.exists(path)
-    with open(path, "a", newline="") as f:
+def read_csv_rows(path: str) -> list:
+    """The rows already in the ``--csv`` file (none if it does not exist yet).
+
+    Raises ValueError when the file's header is not :data:`CSV_FIELDS`
+    (a file written by another version of this script, or not by it):
+    appended rows would land under the wrong columns.
+    """
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames != CSV_FIELDS:
+            raise ValueError(f"--csv {path} has other columns than this script writes "
+                             f"({','.join(reader.fieldnames or [])!r}): name a new file")
+        return list(reader)
+
+
+def write_csv(path: str, rows) -> None:
+    """Write the header and ``rows`` to ``path``: to ``path.tmp``, then
+    renamed, so an interrupted run leaves the old file whole."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        if new:
-            writer.writeheader()
+        writer.writeheader()
         writer.writerows(rows)
+    os.replace(tmp, path)
 
 
 def draw_png(csv_path: str, png_path: str) -> None:
@@ -552,7 +573,7 @@ def main(argv=None):
     p.add_argument("--extra", default="", help="more fairseq-train arguments, one string: --extra='--use-old-adam'")
     p.add_argument("--label", default="", help="appended to the configuration's label")
     p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "fairseq_megatron_bench"))
-    p.add_argument("--csv", help="append results to this CSV")
+    p.add_argument("--csv", help="add the results to this CSV (made if missing)")
     p.add_argument("--png", help="chart of every row of --csv (needs --csv and matplotlib)")
     args = p.parse_args(argv)
     if args.png and not args.csv:
@@ -564,6 +585,19 @@ def main(argv=None):
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.eval_lm_tokens < 0 or args.context_window < 0 or args.peak_tflops <= 0:
         p.error("--eval-lm-tokens and --context-window cannot be negative, --peak-tflops must be positive")
+    # Checked before the runs (which may take an hour of GPU time), not after.
+    if args.csv:
+        if not os.path.isdir(os.path.dirname(os.path.abspath(args.csv))):
+            p.error(f"--csv {args.csv}: no such directory")
+        try:
+            read_csv_rows(args.csv)
+        except (ValueError, OSError, UnicodeDecodeError, csv.Error) as e:
+            p.error(str(e))
+    if args.png:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            p.error("--png needs matplotlib (pip install matplotlib)")
 
     import torch
 
@@ -597,7 +631,7 @@ def main(argv=None):
         if a in by_impl and b in by_impl:
             print(f"{name}: {by_impl[a] / by_impl[b]:.2f}x tokens/s")
     if args.csv:
-        append_csv(args.csv, rows)
+        write_csv(args.csv, read_csv_rows(args.csv) + rows)  # read again: another run may have added rows
     if args.png:
         draw_png(args.csv, args.png)
     return 0

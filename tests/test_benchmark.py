@@ -131,3 +131,32 @@ def test_bad_arguments_and_failed_runs_are_reported_in_one_line(capsys):
     traceback = "\n".join(["Traceback (most recent call last):"] + [f'  File "x.py", line {i}' for i in range(6)]
                           + ["ZeroDivisionError: integer modulo by zero"])
     assert benchmark.why_it_failed(traceback) == "\n".join(traceback.splitlines()[-5:])
+
+
+def test_csv_keeps_earlier_rows_and_a_foreign_csv_is_refused_before_running(tmp_path, capsys):
+    """The CSV is rewritten whole (temporary name, then rename) with the
+    earlier rows first. A file with other columns, or one in a directory that
+    does not exist, stopped the script only after the runs (appended rows
+    under the wrong columns, or a traceback); now it is one argparse error
+    line before anything runs, and the file is left as it was."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import benchmark
+
+    path = str(tmp_path / "bench.csv")
+    first = [dict.fromkeys(benchmark.CSV_FIELDS, "1"), dict.fromkeys(benchmark.CSV_FIELDS, "2")]
+    benchmark.write_csv(path, first)
+    later = [dict.fromkeys(benchmark.CSV_FIELDS, "3")]
+    benchmark.write_csv(path, benchmark.read_csv_rows(path) + later)
+    assert [row["label"] for row in benchmark.read_csv_rows(path)] == ["1", "2", "3"]
+    assert sorted(os.listdir(tmp_path)) == ["bench.csv"]  # no temporary file left
+
+    foreign = tmp_path / "other.csv"
+    foreign.write_text("shape,tokens_per_s\ntiny,5\n")
+    for csv_path, message in ((str(foreign), f"error: --csv {foreign} has other columns"),
+                              (str(tmp_path / "missing" / "b.csv"), "no such directory")):
+        with pytest.raises(SystemExit) as exited:
+            benchmark.main(["--shape", "tiny", "--csv", csv_path, "--work-dir", str(tmp_path / "work")])
+        assert exited.value.code == 2
+        assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert foreign.read_text() == "shape,tokens_per_s\ntiny,5\n"
+    assert not (tmp_path / "work").exists()  # refused before the runs

@@ -28,9 +28,9 @@ Formulas (all per GPU, in bytes unless said otherwise):
   once: layers are recomputed one at a time). ``--offload-activations`` moves
   the ``2*s*b*h`` kept per layer to host memory (reported apart).
 
-  (r = 4 gives the paper's 34 and 24/t.) In 16-bit training this package's
-  layer adds ``2*r*s*b*h/t``: fairseq's GELU keeps an fp32 copy of its input.
-  With flash attention
+  (r = 4 gives the paper's 34 and 24/t.) The GELU keeps its 16-bit input,
+  as the paper counts: this package's layer calls ``F.gelu`` (fairseq's
+  ``gelu`` would keep an fp32 copy, ``2*r*s*b*h/t`` more). With flash attention
   (``scaled_dot_product_attention``, as this package uses) the ``5*a*s^2*b``
   term of the attention matrix is not stored. With 1F1B pipeline schedules
   the first stage keeps ``L`` layers' worth of activations in flight whatever
@@ -104,23 +104,18 @@ def megatron_arch_shape(arch: str, vocab: int = 51200, seq_len: int = 1024) -> M
 
 def activation_bytes_per_layer(m: ModelShape, micro_batch: int, tp: int, sequence_parallel: bool,
                                checkpointing: bool, flash_attention: bool = True,
-                               precision: str = "fp16", gelu_fp32_input: bool = True) -> float:
-    """Stored activations of one layer on one GPU (Korthikanti et al. 2022, section 4).
-
-    ``gelu_fp32_input``: fairseq's ``gelu`` (which this package's layer uses)
-    computes in fp32 and autograd keeps that fp32 copy of the FFN activation,
-    ``4*r*s*b*h`` bytes instead of the paper's ``2*r*s*b*h`` in 16-bit training.
-    """
+                               precision: str = "fp16") -> float:
+    """Stored activations of one layer on one GPU, bytes (Korthikanti et al.
+    2022, section 4; the table in this module's docstring)."""
     s, b, h, a = m.seq_len, micro_batch, m.hidden, m.heads
     scale = ACTIVATION_BYTES[precision] / 2  # the formulas count 16-bit activations
     if checkpointing:
         return 2 * s * b * h * scale / (tp if sequence_parallel else 1)
     r = m.ffn / h
     attention_matrix = 0 if flash_attention else 5 * a * s * s * b
-    upcast = 2 * r * s * b * h / tp if gelu_fp32_input and ACTIVATION_BYTES[precision] == 2 else 0
     if sequence_parallel:
-        return (s * b * h * (18 + 4 * r) + attention_matrix) * scale / tp + upcast
-    return (s * b * h * (10 + (8 + 4 * r) / tp) + attention_matrix / tp) * scale + upcast
+        return (s * b * h * (18 + 4 * r) + attention_matrix) * scale / tp
+    return (s * b * h * (10 + (8 + 4 * r) / tp) + attention_matrix / tp) * scale
 
 
 @dataclasses.dataclass

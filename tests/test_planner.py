@@ -60,12 +60,11 @@ def test_weights_gradients_and_adam_state_match_measured_bytes():
         assert getattr(layout, key) == pytest.approx(value, rel=1e-9), key
 
 
-@pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
-def test_activation_estimate_within_15_percent_of_saved_tensors(dtype, precision):
-    """Bytes autograd keeps for one decoder layer (training, hidden dropout on),
-    measured with saved-tensor hooks on CPU, excluding parameters. Attention
-    dropout is off so CPU's scaled_dot_product_attention takes its flash
-    kernel (no s^2 matrix), matching the flash-attention formula."""
+def _saved_bytes_of_one_layer(dtype) -> int:
+    """Bytes autograd keeps for one decoder layer in ``dtype`` (training,
+    hidden dropout on), measured with saved-tensor hooks on CPU, excluding
+    parameters. Attention dropout is off so CPU's scaled_dot_product_attention
+    takes its flash kernel (no s^2 matrix), matching the flash-attention formula."""
     s, b, h, heads, ffn = 128, 2, 64, 4, 256
     model, _ = build_model(1, dropout=0.1, attention_dropout=0.0, decoder_embed_dim=h,
                            decoder_attention_heads=heads, decoder_ffn_embed_dim=ffn)
@@ -83,10 +82,28 @@ def test_activation_estimate_within_15_percent_of_saved_tensors(dtype, precision
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x, self_attn_mask=mask)
-    measured = sum(saved.values())
-    estimate = activation_bytes_per_layer(ModelShape(1, h, heads, ffn, 64, s), b, 1, sequence_parallel=False,
-                                          checkpointing=False, flash_attention=True, precision=precision)
-    assert estimate == pytest.approx(measured, rel=0.15)
+    return sum(saved.values())
+
+
+def test_activation_estimate_within_15_percent_of_saved_tensors():
+    """The Korthikanti et al. estimate against the bytes one layer keeps, in
+    fp32 and bf16 (15%: the paper's count rounds small terms, such as layer
+    norm statistics, and CPU's dropout masks are not the 1 byte it assumes).
+    The formula depends on the precision only through the bytes per element;
+    so does the layer: bf16 keeps half of fp32's bytes to within 2% (the
+    attention's log-sum-exp stays fp32: 0.7% of the layer's bytes here). The
+    planner counted an fp32 copy of the GELU input in 16-bit training, which
+    fairseq's ``gelu`` keeps but this layer's ``F.gelu`` does not: its bf16
+    estimate was then 0.62 of the fp32 one (the layer: 0.50), 1.11x the bf16 bytes."""
+    shape = ModelShape(1, 64, 4, 256, 64, 128)
+    ratios = {}
+    for dtype, precision in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        measured = _saved_bytes_of_one_layer(dtype)
+        estimate = activation_bytes_per_layer(shape, 2, 1, sequence_parallel=False, checkpointing=False,
+                                              flash_attention=True, precision=precision)
+        assert estimate == pytest.approx(measured, rel=0.15), precision
+        ratios[precision] = estimate / measured
+    assert ratios["bf16"] == pytest.approx(ratios["fp32"], rel=0.02), ratios
 
 
 def test_layouts_and_recommendation():

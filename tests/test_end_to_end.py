@@ -1052,6 +1052,39 @@ def test_two_data_parallel_groups_equal_one_with_update_freq_2(trained, model_pa
     assert _per_update(logs[2], "bsz") == [8.0] * 3  # 4 sequences in each of the 2 groups
 
 
+def test_zero_sharding_over_data_parallel_groups_trains_and_resumes_like_adam(trained, tmp_path):
+    """fairseq's ZeRO stage 1 (``--zero-sharding os``: fairscale's OSS splits
+    Adam's moments over the data-parallel group) with model parallelism: 2
+    groups at model-parallel size 2 (4 processes). Each model part's
+    optimizer is sharded over its own data-parallel group, so 2 updates,
+    saved and resumed for 2 more, log the losses and ``gnorm`` of plain Adam
+    run 4 updates at once, and each part file holds the same Adam moments
+    (fairseq gathers the shards into the group's first rank before it
+    saves). Dropout is off; no tolerance: the same arithmetic per element,
+    in the same order (compared at the 3 printed decimals, and the saved
+    moments exactly)."""
+    def train(save_dir, max_update, *extra):
+        args = train_args(trained["data"], str(tmp_path / save_dir), max_update)
+        _, log = fairseq("train", args + ["--dropout", "0", "--attention-dropout", "0", *extra], nproc=4)
+        assert "training on 4 devices" in log, log[-3000:]
+        return log
+
+    plain = train("adam", 4)
+    first = train("zero", 2, "--zero-sharding", "os")
+    resumed = train("zero", 4, "--zero-sharding", "os")
+    assert "'zero_sharding': 'os'" in first and "Loaded checkpoint" in resumed, resumed[-3000:]
+    for key in ("loss", "gnorm"):
+        assert len(_per_update(plain, key)) == 4, plain[-3000:]
+        assert _per_update(first, key) + _per_update(resumed, key) == _per_update(plain, key), key
+    for part in (0, 1):
+        states = [torch.load(tmp_path / run / f"checkpoint_last-model_part-{part}.pt", weights_only=False)
+                  ["last_optimizer_state"]["state"] for run in ("adam", "zero")]
+        assert states[0].keys() == states[1].keys() and len(states[0]) > 0
+        for index, moments in states[0].items():
+            for name in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(moments[name], states[1][index][name]), (part, index, name)
+
+
 @pytest.mark.parametrize("model_parallel_size", [1, 2])
 def test_two_data_parallel_groups_fine_tune_and_resume(trained, tmp_path, model_parallel_size):
     """Two data-parallel groups (world size 2 at model-parallel size 1, 4 at

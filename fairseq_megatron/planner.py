@@ -11,6 +11,12 @@ Formulas (all per GPU, in bytes unless said otherwise):
 * Mixed-precision Adam (Megatron-LM, ZeRO paper accounting): 2 bytes of
   fp16/bf16 weights + 2 of gradients + 12 of optimizer state (fp32 master
   weights, Adam m and v) per parameter; fp32 training: 4 + 4 + 8.
+  fairseq's ``--zero-sharding os`` (ZeRO stage 1 through fairscale's OSS;
+  Rajbhandari et al. 2020, section 5.1) splits Adam's m and v, 8 bytes, over
+  the D data-parallel ranks of each model part; fairseq's fp32 master weights
+  stay whole on every rank: 4 + 8/D in 16-bit training, 8/D in fp32. OSS
+  hands out whole parameters (each to the rank holding the fewest elements
+  so far), so a rank may hold up to one parameter's moments more than 1/D.
 * Activations of one layer, micro batch b, sequence s, heads a, TP size t,
   FFN ratio r = f/h, 16-bit activations and 1-byte dropout masks
   (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
@@ -51,6 +57,7 @@ BYTES_PER_PARAM = {
     "fp32": (4, 4, 8),
 }
 ACTIVATION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+ADAM_MOMENT_BYTES = 8  # m and v in fp32, the part of the optimizer state --zero-sharding os splits
 
 
 class PlanError(ValueError):
@@ -146,10 +153,13 @@ class Layout:
 def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, micro_batch: int,
          global_batch: int, precision: str = "fp16", checkpointing: bool = False,
          sequence_parallel: bool = False, flash_attention: bool = True,
-         tp: Optional[int] = None, pp: Optional[int] = None, offloading: bool = False) -> List[Layout]:
+         tp: Optional[int] = None, pp: Optional[int] = None, offloading: bool = False,
+         zero_sharding: bool = False) -> List[Layout]:
     """Every valid (TP, PP, DP) layout with its memory per GPU.
 
     ``offloading`` (``--offload-activations``) implies ``checkpointing``.
+    ``zero_sharding`` (fairseq's ``--zero-sharding os``) divides Adam's
+    moments by the data-parallel size.
 
     Valid: TP divides the heads and the FFN size and stays within a node
     (TP divides ``gpus_per_node``), PP divides the layers, DP = gpus / (TP*PP)
@@ -201,7 +211,8 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
             if checkpointing or offloading:
                 act += per_layer(checkpointing=False)  # the layer being recomputed
             act += 4 * m.seq_len * micro_batch * m.vocab / t  # fp32 logits for the loss
-            weights, grads, optim = params * w_b / gb, params * g_b / gb, params * o_b / gb
+            optim_bytes = o_b - ADAM_MOMENT_BYTES + ADAM_MOMENT_BYTES / dp if zero_sharding else o_b
+            weights, grads, optim = params * w_b / gb, params * g_b / gb, params * optim_bytes / gb
             total = weights + grads + optim + act / gb
             layouts.append(Layout(t, p, dp, accumulation, params, weights, grads, optim, act / gb, total,
                                   total <= gpu_memory_gb, (p - 1) / accumulation, host / gb))
@@ -224,6 +235,12 @@ def recommend(layouts: List[Layout]) -> (Optional[Layout], str):
               f"kept inside a node")
     if best.pp > 1:
         reason += f", pipeline bubble {best.pipeline_bubble:.0%} with {best.grad_accumulation} micro batches"
+        one_stage = [lay for lay in layouts if lay.pp == 1]
+        if one_stage:  # none when the search was restricted to one pipeline size
+            least = min(one_stage, key=lambda lay: lay.total_gb)
+            reason += (f". fairseq_megatron trains one pipeline stage (PP=1): there the smallest layout needs "
+                       f"{least.total_gb:.1f} GB per GPU (TP={least.tp}); activation checkpointing, sequence "
+                       f"parallelism, ZeRO sharding or a smaller micro batch lower it")
     return best, reason
 
 

@@ -7,8 +7,15 @@ import pytest
 import torch
 
 from fairseq_megatron.cli import plan_parallelism
-from fairseq_megatron.planner import ModelShape, PlanError, activation_bytes_per_layer, megatron_arch_shape, plan
-from tests.helpers import DIMS, build_model
+from fairseq_megatron.planner import (
+    ModelShape,
+    PlanError,
+    activation_bytes_per_layer,
+    megatron_arch_shape,
+    plan,
+    recommend,
+)
+from tests.helpers import DIMS, build_model, init_model_parallel, run_distributed
 
 # Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU
 # Clusters Using Megatron-LM"), Table 1: (layers, hidden, heads, billions of
@@ -58,6 +65,41 @@ def test_weights_gradients_and_adam_state_match_measured_bytes():
     (layout,) = [l for l in plan(shape, 1, 1, 80, 2, 2, precision="fp32") if l.tp == 1 and l.pp == 1]
     for key, value in measured.items():
         assert getattr(layout, key) == pytest.approx(value, rel=1e-9), key
+
+
+def _adam_state_bytes_under_zero_sharding(rank, world_size):
+    """One fp32 Adam step through fairscale's OSS (what ``--zero-sharding
+    os`` builds) over the data-parallel world; this rank's moment bytes."""
+    from fairscale.optim import OSS
+
+    init_model_parallel(1)
+    model, dictionary = build_model(1)
+    opt = OSS(model.parameters(), torch.optim.Adam)
+    model(torch.randint(4, len(dictionary), (2, 16)))[0].sum().backward()
+    opt.step()
+    held = sum(t.numel() * t.element_size() for state in opt.optim.state.values()
+               for k, t in state.items() if k != "step")
+    return held, max(p.numel() for p in model.parameters())
+
+
+def test_zero_sharding_splits_adams_moments_over_data_parallel_ranks(tmp_path):
+    """``--zero-sharding os`` at data-parallel size 2 (two gloo processes):
+    the ranks hold fp32 Adam's 8 bytes per parameter between them, each at
+    most one parameter's moments above half (OSS deals whole parameters,
+    each to the rank with the fewest elements so far); the planner's 8 / 2
+    bytes per parameter lies within that bound on both ranks."""
+    (held0, largest), (held1, _) = run_distributed(_adam_state_bytes_under_zero_sharding, 2, tmp_path)
+    model, dictionary = build_model(1)
+    params = sum(p.numel() for p in model.parameters())
+    assert held0 + held1 == 8 * params and min(held0, held1) > 0
+    shape = ModelShape(DIMS["decoder_layers"], DIMS["decoder_embed_dim"], DIMS["decoder_attention_heads"],
+                       DIMS["decoder_ffn_embed_dim"], len(dictionary), 16)
+    (layout,) = [l for l in plan(shape, 2, 2, 80, 2, 4, precision="fp32", zero_sharding=True) if l.tp == l.pp == 1]
+    (unsharded,) = [l for l in plan(shape, 2, 2, 80, 2, 4, precision="fp32") if l.tp == l.pp == 1]
+    assert layout.dp == 2 and layout.optimizer_gb * 1e9 == pytest.approx(8 * params / 2, rel=1e-9)
+    assert unsharded.optimizer_gb * 1e9 == pytest.approx(8 * params, rel=1e-9)
+    for held in (held0, held1):
+        assert abs(held - layout.optimizer_gb * 1e9) <= 8 * largest, (held0, held1, largest)
 
 
 def _saved_bytes_of_one_layer(dtype) -> int:
@@ -119,6 +161,16 @@ def test_layouts_and_recommendation():
     for l in layouts:
         assert ckpt[(l.tp, l.pp)] < l.activations_gb
         assert sp[(l.tp, l.pp)] <= l.activations_gb + 1e-12
+    # where only a pipeline layout fits, the recommendation says that this package trains one stage
+    # and what the best one-stage layout needs
+    tight = plan(shape, 16, 8, 24, 2, 512)
+    best, reason = recommend(tight)
+    least = min((l for l in tight if l.pp == 1), key=lambda l: l.total_gb)
+    assert best.pp > 1 and not least.fits
+    assert reason.endswith(f"fairseq_megatron trains one pipeline stage (PP=1): there the smallest layout needs "
+                           f"{least.total_gb:.1f} GB per GPU (TP={least.tp}); activation checkpointing, sequence "
+                           f"parallelism, ZeRO sharding or a smaller micro batch lower it"), reason
+    assert "pipeline stage" not in recommend(layouts)[1]  # a one-stage layout fits at 80 GB
     # --offload-activations moves what checkpointing keeps per layer (2*s*b*h bytes of 16-bit
     # activations, for all 72 layers on the first pipeline stage) from the GPU to host memory
     kept_gb = 2 * 1024 * 2 * 3072 * 72 / 1e9  # 2*s*b*h, b = 2

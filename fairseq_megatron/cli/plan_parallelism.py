@@ -3,7 +3,7 @@
 
     fairseq-megatron-plan --arch transformer_lm_megatron_11b --gpus 16 --gpus-per-node 8 \\
         --gpu-memory 80 --micro-batch 2 --global-batch 512 --seq-len 1024 [--checkpoint-activations] \\
-        [--offload-activations] [--sequence-parallel] [--json] [--png layouts.png]
+        [--offload-activations] [--sequence-parallel] [--zero-sharding] [--json] [--png layouts.png]
 
 Lists every valid (TP, PP, DP) layout with gradient accumulation steps,
 parameters and memory per GPU (weights, gradients, optimizer state,
@@ -56,6 +56,8 @@ def build_parser():
     p.add_argument("--offload-activations", action="store_true",
                    help="checkpointing with each layer's kept input in host memory (reported as host GB)")
     p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--zero-sharding", action="store_true",
+                   help="fairseq's --zero-sharding os: Adam's moments split over the data-parallel ranks")
     p.add_argument("--no-flash-attention", dest="flash_attention", action="store_false",
                    help="count the stored attention matrix (5*a*s^2*b bytes per layer)")
     p.add_argument("--tp", type=positive(int), help="only this tensor-parallel size")
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
         layouts = plan(shape, args.gpus, args.gpus_per_node, args.gpu_memory, args.micro_batch,
                        args.global_batch, args.precision, args.checkpoint_activations,
                        args.sequence_parallel, args.flash_attention, tp=args.tp, pp=args.pp,
-                       offloading=args.offload_activations)
+                       offloading=args.offload_activations, zero_sharding=args.zero_sharding)
     except PlanError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

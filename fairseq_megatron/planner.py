@@ -11,10 +11,14 @@ Formulas (all per GPU, in bytes unless said otherwise):
 * Mixed-precision Adam (Megatron-LM, ZeRO paper accounting): 2 bytes of
   fp16/bf16 weights + 2 of gradients + 12 of optimizer state (fp32 master
   weights, Adam m and v) per parameter; fp32 training: 4 + 4 + 8.
+  fairseq's ``--memory-efficient-fp16`` (the Megatron-11b recipe) keeps no
+  fp32 master weights: its Adam upcasts each fp16 weight during the step,
+  so 2 + 2 + 8.
   fairseq's ``--zero-sharding os`` (ZeRO stage 1 through fairscale's OSS;
   Rajbhandari et al. 2020, section 5.1) splits Adam's m and v, 8 bytes, over
   the D data-parallel ranks of each model part; fairseq's fp32 master weights
-  stay whole on every rank: 4 + 8/D in 16-bit training, 8/D in fp32. OSS
+  stay whole on every rank: 4 + 8/D with ``--fp16``, 8/D in fp32 and with
+  ``--memory-efficient-fp16``. OSS
   hands out whole parameters (each to the rank holding the fewest elements
   so far), so a rank may hold up to one parameter's moments more than 1/D.
 * Activations of one layer, micro batch b, sequence s, heads a, TP size t,
@@ -55,8 +59,9 @@ BYTES_PER_PARAM = {
     "fp16": (2, 2, 12),
     "bf16": (2, 2, 12),
     "fp32": (4, 4, 8),
+    "memory-efficient-fp16": (2, 2, 8),
 }
-ACTIVATION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+ACTIVATION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "memory-efficient-fp16": 2}
 ADAM_MOMENT_BYTES = 8  # m and v in fp32, the part of the optimizer state --zero-sharding os splits
 
 

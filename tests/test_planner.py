@@ -46,12 +46,22 @@ def test_parameter_count_equals_a_built_model():
     assert shape.parameters() == sum(p.numel() for p in model.parameters())
 
 
-def test_weights_gradients_and_adam_state_match_measured_bytes():
-    """fp32 training: 4 bytes of weights, 4 of gradients, 8 of Adam state per parameter."""
+@pytest.mark.parametrize("precision", ["fp32", "memory-efficient-fp16"])
+def test_weights_gradients_and_adam_state_match_measured_bytes(precision):
+    """Bytes per parameter after one step of fairseq's Adam (the optimizer
+    ``--optimizer adam`` runs without apex or a GPU). fp32 training: 4 of
+    weights, 4 of gradients, 8 of Adam state. ``--memory-efficient-fp16``
+    (fairseq's ``MemoryEfficientFP16Optimizer`` hands the fp16 weights to
+    that Adam directly): 2, 2 and 8, since Adam keeps its moments in fp32
+    and no fp32 copy of the weights (the 2 + 2 + 12 of ``--fp16``)."""
+    from fairseq.optim.adam import Adam
+
     model, dictionary = build_model(1)
+    if precision == "memory-efficient-fp16":
+        model.half()
     tokens = torch.randint(4, len(dictionary), (2, 16))
-    opt = torch.optim.Adam(model.parameters())
-    model(tokens)[0].sum().backward()
+    opt = Adam(model.parameters())
+    model(tokens)[0].float().sum().backward()
     opt.step()
     params = list(model.parameters())
     measured = {
@@ -62,7 +72,7 @@ def test_weights_gradients_and_adam_state_match_measured_bytes():
     }
     shape = ModelShape(DIMS["decoder_layers"], DIMS["decoder_embed_dim"], DIMS["decoder_attention_heads"],
                        DIMS["decoder_ffn_embed_dim"], len(dictionary), 16)
-    (layout,) = [l for l in plan(shape, 1, 1, 80, 2, 2, precision="fp32") if l.tp == 1 and l.pp == 1]
+    (layout,) = [l for l in plan(shape, 1, 1, 80, 2, 2, precision=precision) if l.tp == 1 and l.pp == 1]
     for key, value in measured.items():
         assert getattr(layout, key) == pytest.approx(value, rel=1e-9), key
 

@@ -21,6 +21,12 @@ Formulas (all per GPU, in bytes unless said otherwise):
   ``--memory-efficient-fp16``. OSS
   hands out whole parameters (each to the rank holding the fewest elements
   so far), so a rank may hold up to one parameter's moments more than 1/D.
+* fairseq's Adafactor (``--optimizer adafactor``, no ``--beta1``: its
+  default; Shazeer and Stern 2018, section 3) keeps, in fp32, a row and a
+  column mean of the squared gradient for each weight matrix (``r + c``
+  numbers for ``r x c``) and a full second moment for each vector (biases,
+  layer norms): for Megatron-11b about 0.03 bytes per parameter, against
+  Adam's 8. fp32 master weights come on top with ``--fp16``, as for Adam.
 * Activations of one layer, micro batch b, sequence s, heads a, TP size t,
   FFN ratio r = f/h, 16-bit activations and 1-byte dropout masks
   (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
@@ -114,6 +120,27 @@ def megatron_arch_shape(arch: str, vocab: int = 51200, seq_len: int = 1024) -> M
                       args.decoder_ffn_embed_dim, vocab, seq_len, learned_positions=args.decoder_learned_pos)
 
 
+def adafactor_state_elements(m: ModelShape, tp: int, layers: int, embedding: bool, final_norm: bool) -> int:
+    """fp32 numbers fairseq's Adafactor (``beta1=None``) keeps for the
+    parameters one GPU holds: ``layers`` decoder layers split ``tp`` ways,
+    plus the vocab-parallel embedding (tied with the output projection, and
+    the learned positions if any) and the final layer norm when asked.
+    Weight matrices keep ``rows + cols``, vectors one number per element;
+    the 0-dim ``RMS`` kept per parameter tensor is not counted. Layer
+    shapes as built by this package: q, k, v and fc1 column-parallel
+    (``out / tp x in``), out_proj and fc2 row-parallel (``out x in / tp``,
+    full bias), layer norms replicated."""
+    h, f, t = m.hidden, m.ffn, tp
+    matrices = 4 * (h // t + h) + (f // t + h) + (h + f // t)  # q, k, v, out_proj; fc1; fc2
+    vectors = 3 * (h // t) + h + f // t + h + 4 * h  # q/k/v, out_proj, fc1, fc2 biases; two layer norms
+    n = layers * (matrices + vectors)
+    if embedding:
+        n += m.vocab // t + h + ((m.seq_len + h) if m.learned_positions else 0)
+    if final_norm:
+        n += 2 * h
+    return n
+
+
 def activation_bytes_per_layer(m: ModelShape, micro_batch: int, tp: int, sequence_parallel: bool,
                                checkpointing: bool, flash_attention: bool = True,
                                precision: str = "fp16") -> float:
@@ -159,12 +186,13 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
          global_batch: int, precision: str = "fp16", checkpointing: bool = False,
          sequence_parallel: bool = False, flash_attention: bool = True,
          tp: Optional[int] = None, pp: Optional[int] = None, offloading: bool = False,
-         zero_sharding: bool = False) -> List[Layout]:
+         zero_sharding: bool = False, optimizer: str = "adam") -> List[Layout]:
     """Every valid (TP, PP, DP) layout with its memory per GPU.
 
     ``offloading`` (``--offload-activations``) implies ``checkpointing``.
-    ``zero_sharding`` (fairseq's ``--zero-sharding os``) divides Adam's
-    moments by the data-parallel size.
+    ``zero_sharding`` (fairseq's ``--zero-sharding os``) divides the
+    optimizer's own state (Adam's moments, Adafactor's statistics) by the
+    data-parallel size. ``optimizer``: ``"adam"`` or ``"adafactor"``.
 
     Valid: TP divides the heads and the FFN size and stays within a node
     (TP divides ``gpus_per_node``), PP divides the layers, DP = gpus / (TP*PP)
@@ -181,6 +209,8 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
     """
     if precision not in BYTES_PER_PARAM:
         raise PlanError(f"precision must be one of {sorted(BYTES_PER_PARAM)}")
+    if optimizer not in ("adam", "adafactor"):
+        raise PlanError(f"optimizer must be adam or adafactor, not {optimizer!r}")
     if global_batch % micro_batch != 0:
         raise PlanError(f"global batch {global_batch} is not a multiple of the micro batch {micro_batch}")
     if gpus % gpus_per_node != 0 and gpus > gpus_per_node:
@@ -216,8 +246,13 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
             if checkpointing or offloading:
                 act += per_layer(checkpointing=False)  # the layer being recomputed
             act += 4 * m.seq_len * micro_batch * m.vocab / t  # fp32 logits for the loss
-            optim_bytes = o_b - ADAM_MOMENT_BYTES + ADAM_MOMENT_BYTES / dp if zero_sharding else o_b
-            weights, grads, optim = params * w_b / gb, params * g_b / gb, params * optim_bytes / gb
+            if optimizer == "adam":
+                state = ADAM_MOMENT_BYTES * params
+            else:
+                state = 4 * adafactor_state_elements(m, t, m.layers // p, embedding=True, final_norm=p == 1)
+            master = (o_b - ADAM_MOMENT_BYTES) * params  # fp32 master weights (--fp16): 4 bytes each
+            optim = (master + (state / dp if zero_sharding else state)) / gb
+            weights, grads = params * w_b / gb, params * g_b / gb
             total = weights + grads + optim + act / gb
             layouts.append(Layout(t, p, dp, accumulation, params, weights, grads, optim, act / gb, total,
                                   total <= gpu_memory_gb, (p - 1) / accumulation, host / gb))
@@ -226,14 +261,17 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
     return layouts
 
 
+_LOWER_MEMORY = ("lower it with activation checkpointing, sequence parallelism, ZeRO sharding (several "
+                 "data-parallel ranks), Adafactor or a smaller micro batch")
+
+
 def recommend(layouts: List[Layout]) -> (Optional[Layout], str):
     """The layout to start with, and why."""
     fitting = [lay for lay in layouts if lay.fits]
     if not fitting:
         best = min(layouts, key=lambda lay: lay.total_gb)
         return None, (f"no layout fits; the smallest needs {best.total_gb:.1f} GB per GPU "
-                      f"(TP={best.tp}, PP={best.pp}): enable activation checkpointing or sequence "
-                      f"parallelism, lower the micro batch, or use more GPUs")
+                      f"(TP={best.tp}, PP={best.pp}): {_LOWER_MEMORY}, or use more GPUs")
     best = min(fitting, key=lambda lay: (lay.tp * lay.pp, lay.pp, lay.tp))
     reason = (f"TP={best.tp}, PP={best.pp}, DP={best.dp} is the smallest model-parallel degree that fits "
               f"({best.total_gb:.1f} GB per GPU): the most data parallelism, tensor-parallel all-reduces "
@@ -244,8 +282,7 @@ def recommend(layouts: List[Layout]) -> (Optional[Layout], str):
         if one_stage:  # none when the search was restricted to one pipeline size
             least = min(one_stage, key=lambda lay: lay.total_gb)
             reason += (f". fairseq_megatron trains one pipeline stage (PP=1): there the smallest layout needs "
-                       f"{least.total_gb:.1f} GB per GPU (TP={least.tp}); activation checkpointing, sequence "
-                       f"parallelism, ZeRO sharding or a smaller micro batch lower it")
+                       f"{least.total_gb:.1f} GB per GPU (TP={least.tp}); {_LOWER_MEMORY}")
     return best, reason
 
 

@@ -11,6 +11,7 @@ from fairseq_megatron.planner import (
     ModelShape,
     PlanError,
     activation_bytes_per_layer,
+    adafactor_state_elements,
     megatron_arch_shape,
     plan,
     recommend,
@@ -112,6 +113,43 @@ def test_zero_sharding_splits_adams_moments_over_data_parallel_ranks(tmp_path):
         assert abs(held - layout.optimizer_gb * 1e9) <= 8 * largest, (held0, held1, largest)
 
 
+def _adafactor_state_bytes(rank, world_size):
+    """One step of fairseq's Adafactor (``--optimizer adafactor``'s defaults:
+    no first moment) on our model at model-parallel size ``world_size``:
+    the bytes of this rank's state tensors (the 0-dim ``RMS`` per parameter
+    left out) and of its parameters."""
+    from fairseq.optim.adafactor import Adafactor
+
+    if world_size > 1:
+        init_model_parallel(world_size)
+    model, dictionary = build_model(world_size)
+    opt = Adafactor(model.parameters(), lr=1e-3, relative_step=False, scale_parameter=False)
+    model(torch.randint(4, len(dictionary), (2, 16)))[0].float().sum().backward()
+    opt.step()
+    held = sum(t.numel() * t.element_size() for state in opt.state.values()
+               for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+    return held, sum(p.numel() for p in model.parameters())
+
+
+def test_adafactor_state_matches_measured_bytes(tmp_path):
+    """Adafactor's factored statistics, counted by the planner from the
+    layer shapes, against the bytes fairseq's Adafactor holds after one step
+    on a built model: at model-parallel size 1 in this process, and on each
+    rank of size 2 (column- and row-parallel shards, replicated layer norms
+    and row-parallel biases). Exact: the same shapes, fp32 statistics. The
+    planner's optimizer memory is then those bytes (fp32 training: no
+    master copy), far below Adam's 8 per parameter."""
+    shape = ModelShape(DIMS["decoder_layers"], DIMS["decoder_embed_dim"], DIMS["decoder_attention_heads"],
+                       DIMS["decoder_ffn_embed_dim"], 64, 16)
+    held, params = _adafactor_state_bytes(0, 1)
+    assert params == shape.parameters()
+    assert held == 4 * adafactor_state_elements(shape, 1, shape.layers, embedding=True, final_norm=True)
+    (layout,) = [l for l in plan(shape, 1, 1, 80, 2, 2, precision="fp32", optimizer="adafactor")]
+    assert layout.optimizer_gb * 1e9 == pytest.approx(held, rel=1e-12) and held < 8 * params / 4
+    for rank_held, _ in run_distributed(_adafactor_state_bytes, 2, tmp_path):
+        assert rank_held == 4 * adafactor_state_elements(shape, 2, shape.layers, embedding=True, final_norm=True)
+
+
 def _saved_bytes_of_one_layer(dtype) -> int:
     """Bytes autograd keeps for one decoder layer in ``dtype`` (training,
     hidden dropout on), measured with saved-tensor hooks on CPU, excluding
@@ -178,8 +216,9 @@ def test_layouts_and_recommendation():
     least = min((l for l in tight if l.pp == 1), key=lambda l: l.total_gb)
     assert best.pp > 1 and not least.fits
     assert reason.endswith(f"fairseq_megatron trains one pipeline stage (PP=1): there the smallest layout needs "
-                           f"{least.total_gb:.1f} GB per GPU (TP={least.tp}); activation checkpointing, sequence "
-                           f"parallelism, ZeRO sharding or a smaller micro batch lower it"), reason
+                           f"{least.total_gb:.1f} GB per GPU (TP={least.tp}); lower it with activation "
+                           f"checkpointing, sequence parallelism, ZeRO sharding (several data-parallel ranks), "
+                           f"Adafactor or a smaller micro batch"), reason
     assert "pipeline stage" not in recommend(layouts)[1]  # a one-stage layout fits at 80 GB
     # --offload-activations moves what checkpointing keeps per layer (2*s*b*h bytes of 16-bit
     # activations, for all 72 layers on the first pipeline stage) from the GPU to host memory

@@ -2,8 +2,8 @@
 """Choose tensor/pipeline/data-parallel sizes and batch settings before launching.
 
     fairseq-megatron-plan --arch transformer_lm_megatron_11b --gpus 16 --gpus-per-node 8 \\
-        --gpu-memory 80 --micro-batch 2 --global-batch 512 --seq-len 1024 [--checkpoint-activations] \\
-        [--offload-activations] [--sequence-parallel] [--zero-sharding] [--json] [--png layouts.png]
+        --gpu-memory 80 --micro-batch 2 --global-batch 512 --seq-len 1024 [--optimizer adafactor] \\
+        [--checkpoint-activations] [--offload-activations] [--sequence-parallel] [--zero-sharding] [--json] [--png layouts.png]
 
 Lists every valid (TP, PP, DP) layout with gradient accumulation steps,
 parameters and memory per GPU (weights, gradients, optimizer state,
@@ -54,6 +54,8 @@ def build_parser():
     p.add_argument("--precision", choices=["fp16", "bf16", "fp32", "memory-efficient-fp16"], default="fp16",
                    help="fp16/bf16: 16-bit weights with fp32 master weights (2+2+12 bytes per parameter); "
                         "memory-efficient-fp16: fairseq's flag, no master weights (2+2+8); fp32: 4+4+8")
+    p.add_argument("--optimizer", choices=["adam", "adafactor"], default="adam",
+                   help="adafactor: fairseq's, without --beta1 (factored second moment, no first)")
     p.add_argument("--checkpoint-activations", action="store_true")
     p.add_argument("--offload-activations", action="store_true",
                    help="checkpointing with each layer's kept input in host memory (reported as host GB)")
@@ -121,7 +123,8 @@ def main(argv=None) -> int:
         layouts = plan(shape, args.gpus, args.gpus_per_node, args.gpu_memory, args.micro_batch,
                        args.global_batch, args.precision, args.checkpoint_activations,
                        args.sequence_parallel, args.flash_attention, tp=args.tp, pp=args.pp,
-                       offloading=args.offload_activations, zero_sharding=args.zero_sharding)
+                       offloading=args.offload_activations, zero_sharding=args.zero_sharding,
+                       optimizer=args.optimizer)
     except PlanError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -13,7 +13,8 @@ Formulas (all per GPU, in bytes unless said otherwise):
   weights, Adam m and v) per parameter; fp32 training: 4 + 4 + 8.
   fairseq's ``--memory-efficient-fp16`` (the Megatron-11b recipe) keeps no
   fp32 master weights: its Adam upcasts each fp16 weight during the step,
-  so 2 + 2 + 8.
+  so 2 + 2 + 8. This package's ``--bf16-autocast`` keeps fp32 weights and
+  gradients (4 + 4 + 8) with 16-bit activations.
   fairseq's ``--zero-sharding os`` (ZeRO stage 1 through fairscale's OSS;
   Rajbhandari et al. 2020, section 5.1) splits Adam's m and v, 8 bytes, over
   the D data-parallel ranks of each model part; fairseq's fp32 master weights
@@ -66,8 +67,9 @@ BYTES_PER_PARAM = {
     "bf16": (2, 2, 12),
     "fp32": (4, 4, 8),
     "memory-efficient-fp16": (2, 2, 8),
+    "bf16-autocast": (4, 4, 8),
 }
-ACTIVATION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "memory-efficient-fp16": 2}
+ACTIVATION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "memory-efficient-fp16": 2, "bf16-autocast": 2}
 ADAM_MOMENT_BYTES = 8  # m and v in fp32, the part of the optimizer state --zero-sharding os splits
 
 

@@ -47,11 +47,12 @@ def test_parameter_count_equals_a_built_model():
     assert shape.parameters() == sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("precision", ["fp32", "memory-efficient-fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast", "memory-efficient-fp16"])
 def test_weights_gradients_and_adam_state_match_measured_bytes(precision):
     """Bytes per parameter after one step of fairseq's Adam (the optimizer
-    ``--optimizer adam`` runs without apex or a GPU). fp32 training: 4 of
-    weights, 4 of gradients, 8 of Adam state. ``--memory-efficient-fp16``
+    ``--optimizer adam`` runs without apex or a GPU). fp32 training, and
+    ``--bf16-autocast`` (fp32 weights; autocast changes only activations):
+    4 of weights, 4 of gradients, 8 of Adam state. ``--memory-efficient-fp16``
     (fairseq's ``MemoryEfficientFP16Optimizer`` hands the fp16 weights to
     that Adam directly): 2, 2 and 8, since Adam keeps its moments in fp32
     and no fp32 copy of the weights (the 2 + 2 + 12 of ``--fp16``)."""
@@ -62,7 +63,9 @@ def test_weights_gradients_and_adam_state_match_measured_bytes(precision):
         model.half()
     tokens = torch.randint(4, len(dictionary), (2, 16))
     opt = Adam(model.parameters())
-    model(tokens)[0].float().sum().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-autocast"):
+        logits = model(tokens)[0]
+    logits.float().sum().backward()
     opt.step()
     params = list(model.parameters())
     measured = {

@@ -51,9 +51,11 @@ def build_parser():
     p.add_argument("--gpu-memory", type=positive(float), default=80.0, help="GB per GPU")
     p.add_argument("--micro-batch", type=positive(int), default=1)
     p.add_argument("--global-batch", type=positive(int), required=True)
-    p.add_argument("--precision", choices=["fp16", "bf16", "fp32", "memory-efficient-fp16"], default="fp16",
+    p.add_argument("--precision", choices=["fp16", "bf16", "fp32", "memory-efficient-fp16", "bf16-autocast"],
+                   default="fp16",
                    help="fp16/bf16: 16-bit weights with fp32 master weights (2+2+12 bytes per parameter); "
-                        "memory-efficient-fp16: fairseq's flag, no master weights (2+2+8); fp32: 4+4+8")
+                        "memory-efficient-fp16: fairseq's flag, no master weights (2+2+8); fp32: 4+4+8; "
+                        "bf16-autocast: this package's flag, fp32 weights (4+4+8) and 16-bit activations")
     p.add_argument("--optimizer", choices=["adam", "adafactor"], default="adam",
                    help="adafactor: fairseq's, without --beta1 (factored second moment, no first)")
     p.add_argument("--checkpoint-activations", action="store_true")

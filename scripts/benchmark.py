@@ -506,11 +506,15 @@ def write_csv(path: str, rows) -> None:
     """Write the header and ``rows`` to ``path``: to ``path.tmp``, then
     renamed, so an interrupted run leaves the old file whole."""
     tmp = path + ".tmp"
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # the write failed: no partial file stays behind
+            os.remove(tmp)
 
 
 def draw_png(csv_path: str, png_path: str) -> None:

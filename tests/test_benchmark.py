@@ -149,6 +149,10 @@ def test_csv_keeps_earlier_rows_and_a_foreign_csv_is_refused_before_running(tmp_
     benchmark.write_csv(path, benchmark.read_csv_rows(path) + later)
     assert [row["label"] for row in benchmark.read_csv_rows(path)] == ["1", "2", "3"]
     assert sorted(os.listdir(tmp_path)) == ["bench.csv"]  # no temporary file left
+    with pytest.raises(ValueError):  # a row with a column the file lacks fails halfway through the write
+        benchmark.write_csv(path, benchmark.read_csv_rows(path) + [{"no such column": 1}])
+    assert [row["label"] for row in benchmark.read_csv_rows(path)] == ["1", "2", "3"]
+    assert sorted(os.listdir(tmp_path)) == ["bench.csv"]
 
     foreign = tmp_path / "other.csv"
     foreign.write_text("shape,tokens_per_s\ntiny,5\n")

@@ -102,17 +102,17 @@ def test_a_failed_fairseq_train_removes_only_the_empty_directories_it_made(tmp_p
     24): of ``runs/a/b``, made by the run, each directory goes while it is
     empty; one holding a file (a part saved before the failure) stays, and so
     does everything that existed before (``tmp_path``)."""
-    from fairseq_megatron.fairseq_integration import _directories_missing, _remove_while_empty
+    from fairseq_megatron.fairseq_integration.launch import directories_missing, remove_while_empty
 
-    made = _directories_missing(str(tmp_path / "runs" / "a" / "b"))
+    made = directories_missing(str(tmp_path / "runs" / "a" / "b"))
     assert made == [str(tmp_path / "runs" / "a" / "b"), str(tmp_path / "runs" / "a"), str(tmp_path / "runs")]
     os.makedirs(made[0])
-    _remove_while_empty(made)
+    remove_while_empty(made)
     assert os.listdir(tmp_path) == []
 
     os.makedirs(made[0])
     open(os.path.join(made[0], "checkpoint_last-model_part-0.pt"), "w").close()
-    _remove_while_empty(made)
+    remove_while_empty(made)
     assert os.listdir(made[0]) == ["checkpoint_last-model_part-0.pt"]
 
 

@@ -68,7 +68,7 @@ def test_prefetch_threads_stop_before_exit():
     joins it, also when its queue is full."""
     from fairseq.data import iterators
 
-    from fairseq_megatron import fairseq_integration
+    from fairseq_megatron.fairseq_integration import trainer as trainer_steps
 
     produced = []
 
@@ -84,8 +84,8 @@ def test_prefetch_threads_stop_before_exit():
     thread = buffered._consumer
     assert thread.is_alive()  # blocked on its full queue, as after a run that stopped early
     try:
-        fairseq_integration._stop_prefetch_threads(timeout=10)
+        trainer_steps.stop_prefetch_threads(timeout=10)
         assert not thread.is_alive()
         assert len(produced) < 1000, "the thread ran to the end instead of stopping"
     finally:
-        fairseq_integration._stop_prefetching.clear()
+        trainer_steps._stop_prefetching.clear()

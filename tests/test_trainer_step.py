@@ -22,12 +22,13 @@ import torch
 from tests.helpers import build_trainer, run_distributed
 
 # Reads that stay on the host on any device: the padding test of the batch
-# while it is still on the CPU (fairseq_integration step 11); fairseq's
+# while it is still on the CPU (fairseq_integration step 11, in its trainer.py;
+# fairseq's own trainer.py names its method _prepare_sample); fairseq's
 # sinusoidal positions, which take the batch shape as a CPU tensor
 # (torch.onnx.operators.shape_as_tensor) and compare it with ints; and the
 # previous update's skip flag, a pinned host copy read after waiting for that
 # update's kernel only (fused_adam._HostCopy).
-HOST_ONLY_READS = ("fairseq_integration.py:prepare_sample", "sinusoidal_positional_embedding.py:forward",
+HOST_ONLY_READS = ("trainer.py:prepare_sample", "sinusoidal_positional_embedding.py:forward",
                    "fused_adam.py:read")
 
 
@@ -35,7 +36,8 @@ def _reads_worker(rank, world_size, save_dir, extra_args):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import fairseq.trainer
-    from fairseq_megatron import checkpoint_activations, fairseq_integration
+    from fairseq_megatron import checkpoint_activations
+    from fairseq_megatron.fairseq_integration.patching import TorchStandIn
 
     class HostReads(TorchDispatchMode):
         def __init__(self):
@@ -64,7 +66,7 @@ def _reads_worker(rank, world_size, save_dir, extra_args):
         theirs = unexpected_reads(trainer, next(batches))
     finally:
         cls.clip_grad_norm, fairseq.trainer.torch = patched_clip, patched_torch
-    assert isinstance(patched_torch, fairseq_integration._TorchStandIn)
+    assert isinstance(patched_torch, TorchStandIn)
     decoder = trainer.get_model().decoder
     checkpointed = getattr(decoder.layers[0].forward, "func", None) is checkpoint_activations._checkpointed_forward
     ran_as = (type(trainer).__name__, decoder.sequence_parallel, checkpointed)

@@ -106,12 +106,12 @@ def _install_into(hydra_train) -> None:
 
     @functools.wraps(original_hydra_main)
     def _hydra_main(cfg, **kwargs):
-        from fairseq_megatron.fairseq_integration import _printed_as_one_line
+        from fairseq_megatron.fairseq_integration.one_line_errors import printed_as_one_line
 
         try:
             return original_hydra_main(cfg, **kwargs)
         except Exception as error:  # Hydra would report it with a traceback
-            if _printed_as_one_line(error):
+            if printed_as_one_line(error):
                 sys.exit(1)
             raise
 

@@ -140,10 +140,15 @@ def check_part_count(path: str, files: List[str], first: Optional[dict] = None) 
 
 
 def check_output_name(output_path: str, outputs: List[str]) -> None:
-    """Raise CheckpointError where checkpoint files other than ``outputs``
-    (the files of one size) exist under the name ``output_path``: writing
-    would leave two sizes under one name, which :func:`find_part_files`
-    refuses to choose between."""
+    """Raise CheckpointError where ``output_path`` or one of ``outputs`` is
+    a directory (checked before any work, not found at the final rename), or
+    where checkpoint files other than ``outputs`` (the files of one size)
+    exist under the name ``output_path``: writing would leave two sizes under
+    one name, which :func:`find_part_files` refuses to choose between."""
+    for o in [output_path, *outputs]:
+        if os.path.isdir(o):
+            such_as = f": name a file in it, such as {os.path.join(o, 'model.pt')}" if o == output_path else ""
+            raise CheckpointError(f"the output {o} is a directory{such_as}")
     existing = ([output_path] if os.path.exists(output_path) else []) + [
         part_path(output_path, r) for r in _part_ranks(output_path)]  # an export may be named freely
     stale = [f for f in existing if f not in outputs]

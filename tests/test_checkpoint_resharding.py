@@ -448,6 +448,14 @@ def test_export_cli_keeps_the_rows_of_the_trained_dictionary(tmp_path, capsys):
     assert export("--dict", str(right)) == (0, symbols)
     assert export("--dict", str(short)) == (1, f"error: the dictionary has {symbols - 1} symbols but {src} was "
                                                f"trained with {symbols}: wrong dict.txt for this checkpoint")
+    text = tmp_path / "train.txt"  # the raw text, a common slip for the dictionary beside it
+    text.write_text("the cat sat on the mat\n")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9 3\n".encode("latin-1"))
+    for wrong, fairseq_says in [(text, "Incorrect dictionary format"), (latin1, "Incorrect encoding")]:
+        rc, err = export("--dict", str(wrong))  # fairseq's own message follows ours, on the same line
+        assert rc == 1 and err.startswith(f"error: --dict {wrong} is not a fairseq dict.txt: {fairseq_says}"), err
+        assert len(err.splitlines()) == 1, err
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
@@ -466,7 +474,18 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert run("--to-fairseq", "--keep-optimizer") == (
         1, "error: --keep-optimizer and --to-fairseq exclude each other: the export is for evaluation and "
            "holds no training state")
+    assert run("--model-parallel-size", "1", "--dict", path) == (
+        1, "error: --dict is read only with --to-fairseq: resharding keeps every vocabulary row")
     assert not out.exists() or not os.listdir(out), "a failed run left files behind"
+
+    # an output that is a directory is refused before any work, whole or one of the part names
+    rc = reshard_checkpoint.main(["--input", path, "--output", str(tmp_path), "--model-parallel-size", "1"])
+    assert (rc, capsys.readouterr().err.strip()) == (
+        1, f"error: the output {tmp_path} is a directory: name a file in it, such as {tmp_path / 'model.pt'}")
+    os.makedirs(part_path(str(out / "m.pt"), 1))
+    assert run("--model-parallel-size", "2") == (1, f"error: the output {part_path(str(out / 'm.pt'), 1)} is a directory")
+    assert sorted(os.listdir(out)) == ["m-model_part-1.pt"], "a refused run wrote a file"
+    os.rmdir(part_path(str(out / "m.pt"), 1))
 
     with pytest.raises(CheckpointError, match="refusing to overwrite"):
         reshard(path, path, 2)

@@ -40,14 +40,21 @@ def export_vocabulary_size(parts: PartFiles, dict_path: Optional[str]) -> Option
     one (None, all rows, for checkpoints from before the record).
 
     Raises:
-        UsageError: ``dict_path`` is not the checkpoint's dictionary.
+        UsageError: ``dict_path`` is not a fairseq dict.txt, or not the
+            checkpoint's dictionary.
+        FileNotFoundError: ``dict_path`` does not exist.
     """
     from fairseq.data import Dictionary
 
     trained_with = config_value(model_config(parts.metadata), "dictionary_size")
     if dict_path is None:
         return trained_with
-    dictionary = Dictionary.load(dict_path)
+    try:
+        dictionary = Dictionary.load(dict_path)
+    except OSError:
+        raise
+    except Exception as e:  # a line not "<token> <count>" (ValueError) or not UTF-8 (a bare Exception)
+        raise UsageError(f"--dict {dict_path} is not a fairseq dict.txt: {e}") from None
     check_dictionary_size(dictionary.symbols, len(dictionary), trained_with, parts.path)
     return len(dictionary)
 
@@ -71,6 +78,8 @@ def main(argv=None) -> int:
         if args.keep_optimizer and args.to_fairseq:
             raise UsageError("--keep-optimizer and --to-fairseq exclude each other: the export "
                              "is for evaluation and holds no training state")
+        if args.dict is not None and not args.to_fairseq:
+            raise UsageError("--dict is read only with --to-fairseq: resharding keeps every vocabulary row")
         if args.to_fairseq:
             parts = PartFiles(args.input)
             vocab = export_vocabulary_size(parts, args.dict)

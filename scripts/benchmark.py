@@ -418,8 +418,9 @@ def run_eval_lm(args, impl, shape, data_dir, save_dir, use_cuda, model_parallel_
         log_path = os.path.join(args.work_dir, f"eval_lm-{impl}-{args.shape}.log")
         with open(log_path, "w") as f:
             f.write(proc.stdout)
-        print(f"error: fairseq-eval-lm ({impl}) failed, exit {proc.returncode}; log {log_path}", file=sys.stderr)
-        return {}
+        print(f"error: fairseq-eval-lm ({impl}) failed, exit {proc.returncode}; log {log_path}:\n"
+              f"{why_it_failed(proc.stdout)}", file=sys.stderr, flush=True)
+        return {"eval_lm_failed": True}  # the training figures are still reported; main() exits 1
     tokens, seconds, tokens_per_s = found[-1]
     return {"eval_lm_tokens": int(tokens.replace(",", "")), "eval_lm_s": float(seconds),
             "eval_lm_tokens_per_s": float(tokens_per_s),
@@ -589,6 +590,13 @@ def main(argv=None):
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.eval_lm_tokens < 0 or args.context_window < 0 or args.peak_tflops <= 0:
         p.error("--eval-lm-tokens and --context-window cannot be negative, --peak-tflops must be positive")
+    if args.updates // args.log_interval < 3:  # the median is over the last three intervals
+        p.error(f"--updates {args.updates} gives fewer than 3 intervals of --log-interval {args.log_interval}: "
+                f"raise --updates or lower --log-interval")
+    seq_len = resolved_shape(args)["seq_len"]
+    if args.eval_lm_tokens and args.context_window >= seq_len:
+        p.error(f"--context-window {args.context_window} leaves no token to score in blocks of {seq_len} "
+                f"(--seq-len): each block scores seq-len minus context-window new tokens")
     # Checked before the runs (which may take an hour of GPU time), not after.
     if args.csv:
         if not os.path.isdir(os.path.dirname(os.path.abspath(args.csv))):
@@ -613,11 +621,16 @@ def main(argv=None):
         p.error(f"--model-parallel-size {args.model_parallel_size} needs that many GPUs; "
                 f"this machine has {torch.cuda.device_count()}")
     device = torch.cuda.get_device_name() if use_cuda else "CPU"
-    os.makedirs(args.work_dir, exist_ok=True)
+    try:
+        os.makedirs(args.work_dir, exist_ok=True)
+    except OSError as e:
+        p.error(f"--work-dir {args.work_dir}: {e.strerror}")
     impls = ["fairseq"] if args.only_fairseq else (["megatron", "fairseq"] if args.with_fairseq else ["megatron"])
     rows = []
+    eval_lm_failed = False
     for impl in impls:
         row = run_one(args, impl, args.work_dir, use_cuda, device)
+        eval_lm_failed |= row.pop("eval_lm_failed", False)
         rows.append(row)
         print(describe(row, args.peak_tflops), flush=True)
         if "eval_lm_s" in row:
@@ -638,7 +651,7 @@ def main(argv=None):
         write_csv(args.csv, read_csv_rows(args.csv) + rows)  # read again: another run may have added rows
     if args.png:
         draw_png(args.csv, args.png)
-    return 0
+    return 1 if eval_lm_failed else 0
 
 
 if __name__ == "__main__":

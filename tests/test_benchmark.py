@@ -164,3 +164,60 @@ def test_csv_keeps_earlier_rows_and_a_foreign_csv_is_refused_before_running(tmp_
         assert message in capsys.readouterr().err.strip().splitlines()[-1]
     assert foreign.read_text() == "shape,tokens_per_s\ntiny,5\n"
     assert not (tmp_path / "work").exists()  # refused before the runs
+
+
+def test_settings_that_cannot_give_a_result_are_refused_before_running(tmp_path, capsys):
+    """Each of these failed only after the training runs, which on a GPU
+    take minutes: too few log intervals for the median of three, a context
+    window that leaves fairseq-eval-lm no token to score, and a work
+    directory that cannot be made (a traceback)."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import benchmark
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for argv, message in [
+        (["--updates", "5", "--log-interval", "2"], "--updates 5 gives fewer than 3 intervals of --log-interval 2"),
+        (["--eval-lm-tokens", "100", "--context-window", "64"],  # the tiny shape's 64 tokens per sample
+         "--context-window 64 leaves no token to score in blocks of 64"),
+        (["--eval-lm-tokens", "100", "--seq-len", "32", "--context-window", "40"],
+         "--context-window 40 leaves no token to score in blocks of 32"),
+        (["--work-dir", str(a_file / "work")], f"--work-dir {a_file / 'work'}: Not a directory"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            benchmark.main(["--shape", "tiny", *argv])
+        assert exited.value.code == 2
+        assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_failed_eval_lm_keeps_the_training_row_and_exits_1(tmp_path, capsys, monkeypatch):
+    """fairseq-eval-lm runs after training; its failure used to print a line
+    without the reason and exit 0, so a script driving the benchmark took
+    the run for complete. The training row is still written (those figures
+    are sound), fairseq's error line is shown, and the exit status is 1."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import benchmark
+
+    # run_eval_lm's own subprocess, with a stand-in for fairseq-eval-lm that fails as it would
+    failing = [sys.executable, "-c", "import sys; print('error: the eval-lm stand-in fails'); sys.exit(1)"]
+    monkeypatch.setattr(benchmark, "_launcher", lambda nproc: failing)
+    save_dir = tmp_path / "work" / "checkpoints"
+
+    def run_one(args, impl, work_dir, use_cuda, device):
+        save_dir.mkdir(parents=True)
+        row = dict.fromkeys(benchmark.CSV_FIELDS, 1)
+        row.update(label="trained", impl=impl)
+        shape = benchmark.resolved_shape(args)
+        row.update(benchmark.run_eval_lm(args, impl, shape, str(tmp_path), str(save_dir), use_cuda, 1))
+        return row
+
+    monkeypatch.setattr(benchmark, "run_one", run_one)
+    out_csv = tmp_path / "bench.csv"
+    rc = benchmark.main(["--shape", "tiny", "--eval-lm-tokens", "100", "--context-window", "8",
+                         "--work-dir", str(tmp_path / "work"), "--csv", str(out_csv)])
+    err = capsys.readouterr().err
+    assert rc == 1
+    log = tmp_path / "work" / "eval_lm-megatron-tiny.log"
+    assert f"error: fairseq-eval-lm (megatron) failed, exit 1; log {log}:\nerror: the eval-lm stand-in fails" in err
+    assert [row["label"] for row in benchmark.read_csv_rows(str(out_csv))] == ["trained"]
+    assert not save_dir.exists()  # the checkpoint is removed whether or not eval-lm succeeded

@@ -145,6 +145,44 @@ def test_bpe_cli_drops_empty_lines_like_fairseq(gpt2_files, tmp_path):
     assert len(out_keep.read_text().split("\n")[:-1]) == len(DETOK)
 
 
+def test_detok_and_bpe_clis_refuse_bad_files_and_outputs_in_one_line(gpt2_files, tmp_path, capsys):
+    """An output in a directory that does not exist was a traceback after
+    the work (detok); a malformed encoder.json or vocab.bpe was a bare JSON
+    message or a KeyError traceback. Each is now one line naming the file,
+    before any output is written."""
+    encoder_json, vocab_bpe, _ = gpt2_files
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(RAW) + "\n", encoding="utf-8")
+    missing = tmp_path / "missing" / "out.txt"
+    for main, argv, flag in [
+        (detok.main, [str(src), "--output", str(missing)], "--output"),
+        (bpe_encode.main, ["--encoder-json", encoder_json, "--vocab-bpe", vocab_bpe, "--inputs", str(src),
+                           "--outputs", str(missing)], "--outputs"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {flag} {missing}: no such directory")
+
+    not_json, a_list, bad_merge = tmp_path / "e.txt", tmp_path / "list.json", tmp_path / "vocab.bpe"
+    not_json.write_text("Ġt 1\n")
+    a_list.write_text("[1, 2]")
+    lines = open(vocab_bpe, encoding="utf-8").read().split("\n")
+    bad_merge.write_text("\n".join(lines[:3] + ["Ġ t h"] + lines[3:]), encoding="utf-8")
+    for encoder, merges, message in [
+        (str(not_json), vocab_bpe, f"error: --encoder-json {not_json} is not JSON: Expecting value"),
+        (str(a_list), vocab_bpe, f"error: --encoder-json {a_list} is not a JSON object of symbol -> id"),
+        (encoder_json, str(bad_merge),
+         f"error: --vocab-bpe {bad_merge} line 4 is not a merge of two GPT-2 byte symbols: 'Ġ t h'"),
+    ]:
+        out = tmp_path / "out.bpe"
+        assert bpe_encode.main(["--encoder-json", encoder, "--vocab-bpe", merges, "--inputs", str(src),
+                                "--outputs", str(out)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(message) and len(err.splitlines()) == 1, err
+        assert not out.exists()
+
+
 @pytest.fixture(scope="module")
 def small_megatron(gpt2_files, tmp_path_factory):
     """A Megatron-11b-style folder (dict.txt + model-model_part-{0,1}.pt) and Wikitext-style raw data."""
@@ -242,6 +280,12 @@ def test_bad_inputs_give_one_error_line(gpt2_files, small_megatron, tmp_path, ca
 
     rc, err = run(**{"--gpus": 3})
     assert rc == 1 and err == "error: --gpus 3 is not a multiple of --model-parallel-size 2"
+
+    not_json = tmp_path / "encoder.txt"
+    not_json.write_text("Ġt 1\n")
+    rc, err = run(**{"--encoder-json": not_json, "--work-dir": tmp_path / "w_json"})
+    assert rc == 1 and err.startswith(f"error: --encoder-json {not_json} is not JSON") and len(err.splitlines()) == 1
+    assert os.listdir(tmp_path / "w_json") == []  # refused before detokenizing
 
     bad = tmp_path / "bad_dict"
     shutil.copytree(small_megatron["folder"], bad)

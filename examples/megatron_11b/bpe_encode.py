@@ -16,6 +16,7 @@ of them (as fairseq's encoder does). The byte-pair merges run in tiktoken
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from typing import Dict, List, Sequence
@@ -48,22 +49,35 @@ class GPT2BPE:
     procedures identical; ``ids`` maps ranks back to ``encoder.json`` ids.
 
     Raises:
-        ValueError: a merge or byte of ``vocab.bpe`` is missing from ``encoder.json``.
+        ValueError: ``encoder.json`` is not a JSON object, a line of
+            ``vocab.bpe`` is not a merge of two GPT-2 byte symbols, or a
+            merge or byte of ``vocab.bpe`` is missing from ``encoder.json``.
     """
 
     def __init__(self, encoder_json: str, vocab_bpe: str):
         with open(encoder_json, encoding="utf-8") as f:
-            encoder = json.load(f)
+            try:
+                encoder = json.load(f)
+            except ValueError as e:
+                raise ValueError(f"--encoder-json {encoder_json} is not JSON: {e}") from None
+        if not isinstance(encoder, dict):
+            raise ValueError(f"--encoder-json {encoder_json} is not a JSON object of symbol -> id")
         with open(vocab_bpe, encoding="utf-8") as f:
-            merges = [tuple(line.split()) for line in f.read().split("\n")[1:] if line.strip()]
+            lines = f.read().split("\n")  # the first line is a "#version" header
         byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
 
         def to_bytes(symbol: str) -> bytes:
             return bytes(byte_decoder[c] for c in symbol)
 
         ranks: Dict[bytes, int] = {bytes([b]): b for b in range(256)}
-        for a, b in merges:
-            merged = to_bytes(a + b)
+        for number, line in enumerate(lines[1:], start=2):
+            if not line.strip():
+                continue
+            merge = line.split()
+            if len(merge) != 2 or not all(c in byte_decoder for c in "".join(merge)):
+                raise ValueError(f"--vocab-bpe {vocab_bpe} line {number} is not a merge of two GPT-2 byte "
+                                 f"symbols: {line[:80]!r}")
+            merged = to_bytes("".join(merge))
             if merged not in ranks:
                 ranks[merged] = len(ranks)
         ids = [0] * len(ranks)  # rank -> encoder.json id
@@ -99,8 +113,6 @@ def encode_files(bpe: GPT2BPE, inputs: Sequence[str], outputs: Sequence[str], ke
 
     Outputs are written to ``<name>.tmp`` and renamed at the end.
     """
-    import os
-
     texts = []
     for path in inputs:
         with (contextlib.nullcontext(sys.stdin) if path == "-" else open(path, encoding="utf-8")) as f:
@@ -120,9 +132,14 @@ def encode_files(bpe: GPT2BPE, inputs: Sequence[str], outputs: Sequence[str], ke
         if out == "-":
             sys.stdout.write(text)
             continue
-        with open(out + ".tmp", "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(out + ".tmp", out)
+        try:
+            with open(out + ".tmp", "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(out + ".tmp", out)
+        except OSError:  # a full disk, say: no half-written file stays
+            if os.path.exists(out + ".tmp"):
+                os.remove(out + ".tmp")
+            raise
     return {"lines": len(keep), "tokens": sum(len(ids) for ids in encoded[0]), "bytes": n_bytes,
             "seconds": seconds, "mb_per_s": n_bytes / 1e6 / max(seconds, 1e-9)}
 
@@ -140,6 +157,11 @@ def main(argv=None) -> int:
     if len(args.inputs) != len(args.outputs):
         print("error: --inputs and --outputs need the same number of files", file=sys.stderr)
         return 1
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
+    for out in args.outputs:
+        if out != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+            parser.error(f"--outputs {out}: no such directory")  # before the encoding, not after
     try:
         bpe = GPT2BPE(args.encoder_json, args.vocab_bpe)
         stats = encode_files(bpe, args.inputs, args.outputs, args.keep_empty, args.workers)

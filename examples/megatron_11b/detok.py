@@ -58,6 +58,10 @@ def main(argv=None) -> int:
     parser.add_argument("--output", help="output file (default: stdout); written to .tmp, then renamed")
     parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        parser.error(f"--output {args.output}: no such directory")  # before the work, not after
     try:
         lines = detokenize_lines(read_lines(args.files), args.workers, progress=sys.stderr.isatty())
     except (OSError, UnicodeDecodeError) as e:
@@ -65,9 +69,16 @@ def main(argv=None) -> int:
         return 1
     text = "".join(l + "\n" for l in lines)
     if args.output:
-        with open(args.output + ".tmp", "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(args.output + ".tmp", args.output)
+        tmp = args.output + ".tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, args.output)
+        except OSError as e:  # a full disk, say: no half-written file stays
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     else:
         sys.stdout.write(text)
     return 0

@@ -136,6 +136,8 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="redo steps whose outputs exist")
     args = p.parse_args(argv)
     args.gpus = args.gpus or args.model_parallel_size
+    if args.workers < 1:
+        p.error("--workers must be at least 1")
 
     try:
         paths = check_inputs(args)
@@ -144,15 +146,17 @@ def main(argv=None) -> int:
         bpe_path = os.path.join(args.work_dir, f"wiki.{args.split}.bpe")
         bin_dir = os.path.join(args.work_dir, "bin")
 
+        encode = args.force or not os.path.exists(bpe_path)
+        bpe = bpe_encode.GPT2BPE(args.encoder_json, args.vocab_bpe) if encode else None  # read before the work
         if args.force or not os.path.exists(detok_path):
             print(f"[1/4] detokenize {paths['raw']}", flush=True)
-            detok.main([paths["raw"], "--output", detok_path, "--workers", str(args.workers)])
+            if detok.main([paths["raw"], "--output", detok_path, "--workers", str(args.workers)]):
+                return 1  # detok printed its error line
         else:
             print(f"[1/4] detokenize: {detok_path} exists, skipped", flush=True)
 
-        if args.force or not os.path.exists(bpe_path):
+        if encode:
             print("[2/4] GPT-2 BPE", flush=True)
-            bpe = bpe_encode.GPT2BPE(args.encoder_json, args.vocab_bpe)
             stats = bpe_encode.encode_files(bpe, [detok_path], [bpe_path], workers=1)
             print(f"  {stats['lines']:,} lines, {stats['bytes'] / 1e6:.2f} MB -> {stats['tokens']:,} tokens, "
                   f"{stats['mb_per_s']:.1f} MB/s", flush=True)

@@ -33,6 +33,7 @@ step, what fairseq did and what it does now. Other files cite them as
 23. :func:`checkpoint_files.part_names_under_directories_with_pt`
 24. :func:`launch.launch_checked_before_fairseq_train_writes`
 25. :func:`trainer.finished_training_left_as_it_is`
+26. :func:`checkpoint_files.models_for_a_checkpoint_skip_initialisation`
 
 :mod:`.patching` holds the means they share: stand-ins for a module as one
 fairseq module sees it, and names replaced in the ``fairseq_cli`` modules.
@@ -82,4 +83,5 @@ def install() -> None:
     checkpoint_files.part_names_under_directories_with_pt()
     launch.launch_checked_before_fairseq_train_writes()
     trainer.finished_training_left_as_it_is()
+    checkpoint_files.models_for_a_checkpoint_skip_initialisation()
     _INSTALLED = True

@@ -1,8 +1,9 @@
 """Checkpoint files as fairseq reads, sends, names and writes them: trusted
 loading, a loaded checkpoint sent within a data-parallel group, the epoch's
 position at another data-parallel size, the best-N part files, copies
-written whole, part names under directories whose name holds ".pt" (steps
-4, 16 and 20 to 23 of :mod:`fairseq_megatron.fairseq_integration`).
+written whole, part names under directories whose name holds ".pt", models
+built for a checkpoint's weights (steps 4, 16, 20 to 23 and 26 of
+:mod:`fairseq_megatron.fairseq_integration`).
 
 4. :func:`trusted_checkpoint_loading` -- torch >= 2.6 loads with
    ``weights_only=True``; fairseq checkpoints hold argparse/omegaconf objects.
@@ -54,8 +55,21 @@ written whole, part names under directories whose name holds ".pt" (steps
    logged "No existing checkpoint found" and trained from scratch;
    fairseq-eval-lm stopped with "Model file not found". Only the file name's
    ".pt" ending takes the suffix now.
+
+26. :func:`models_for_a_checkpoint_skip_initialisation` -- fairseq's
+   ``load_model_ensemble_and_task`` (fairseq-eval-lm, -generate,
+   -interactive, -validate, the hub interface) builds the model, which draws
+   random initial weights, then loads every parameter from the checkpoint
+   with ``strict=True``. Drawing them is nearly all of the build: about
+   2 minutes of CPU on every rank for Megatron-11b (every rank draws each
+   layer's full master tensor, :mod:`fairseq_megatron.modules.sharding`).
+   The model-parallel layers are now left NaN under a strict load (a
+   parameter the checkpoint did not fill would show, not pass for trained);
+   a non-strict load (``--checkpoint-shard-count`` > 1) initialises as
+   before.
 """
 
+import contextlib
 import functools
 import logging
 import os
@@ -293,3 +307,20 @@ def part_names_under_directories_with_pt() -> None:
         return original_load(self, part_name(filename, self.checkpoint_suffix), *args, **kwargs)
 
     Trainer.load_checkpoint = load_checkpoint
+
+
+def models_for_a_checkpoint_skip_initialisation() -> None:
+    from fairseq import checkpoint_utils
+
+    from fairseq_megatron.modules.sharding import initialisation_skipped
+
+    original = checkpoint_utils.load_model_ensemble_and_task
+
+    @functools.wraps(original)
+    def load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, strict=True, suffix="",
+                                     num_shards=1, state=None):
+        skipped = initialisation_skipped() if strict else contextlib.nullcontext()
+        with skipped:  # strict: every parameter is loaded right after the build, or the load raises
+            return original(filenames, arg_overrides, task, strict, suffix, num_shards, state)
+
+    checkpoint_utils.load_model_ensemble_and_task = load_model_ensemble_and_task

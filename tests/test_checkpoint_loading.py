@@ -62,8 +62,10 @@ def test_a_model_built_for_a_checkpoint_draws_no_initial_weights(tmp_path, nan_b
     drawn = sorted(n for n in dict(build_model(1)[0].named_parameters()) if n.endswith(DRAWN))
     assert len(drawn) == 2 * 6 + 1  # 2 layers of 6 weight matrices, and the embedding
 
+    generator = torch.get_rng_state()
     (model,), _, _ = checkpoint_utils.load_model_ensemble_and_task([path])
     assert nan_before_loading == [drawn]  # none drawn: NaN until the checkpoint filled them
+    assert torch.equal(torch.get_rng_state(), generator)  # nor the tied output projection's own weight
     loaded = model.state_dict()
     assert loaded.keys() == weights.keys()
     for name, tensor in weights.items():
@@ -73,6 +75,7 @@ def test_a_model_built_for_a_checkpoint_draws_no_initial_weights(tmp_path, nan_b
     # for --checkpoint-shard-count > 1) initialises them as before.
     checkpoint_utils.load_model_ensemble_and_task([path], strict=False)
     assert nan_before_loading[-1] == []
+    assert not torch.equal(torch.get_rng_state(), generator)
 
 
 def test_a_weight_the_checkpoint_lacks_stops_the_load(tmp_path):

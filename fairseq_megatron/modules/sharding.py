@@ -59,6 +59,12 @@ def initialisation_skipped() -> Iterator[None]:
         _initialisation_skipped = previous
 
 
+def initialisation_is_skipped() -> bool:
+    """Whether this is within :func:`initialisation_skipped` (for modules
+    that initialise other than through :func:`init_shard_`)."""
+    return _initialisation_skipped
+
+
 def init_shard_(
     shard: torch.Tensor,
     full_shape,

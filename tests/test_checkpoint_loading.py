@@ -85,6 +85,25 @@ def test_a_weight_the_checkpoint_lacks_stops_the_load(tmp_path):
         checkpoint_utils.load_model_ensemble_and_task([path])
 
 
+def test_two_checkpoints_in_one_path_are_an_ensemble_or_one_error_line(tmp_path):
+    """fairseq-generate splits ``--path a.pt:b.pt`` before loading (an
+    ensemble); fairseq-eval-lm and -validate pass it whole, which named no
+    checkpoint ("no checkpoint a.pt:b.pt")."""
+    from fairseq_megatron.errors import UsageError
+
+    paths = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        paths.append(save_fairseq_checkpoint(tmp_path / name, seed=len(paths))[0])
+    models, _, _ = checkpoint_utils.load_model_ensemble_and_task(paths)  # split: an ensemble
+    assert len(models) == 2
+    joined = os.pathsep.join(paths)
+    with pytest.raises(UsageError, match=f"^--path {joined} names 2 checkpoints: this tool scores one model "):
+        checkpoint_utils.load_model_ensemble_and_task([joined])
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):  # one of them missing: say which name failed
+        checkpoint_utils.load_model_ensemble_and_task([os.pathsep.join([paths[0], str(tmp_path / "c.pt")])])
+
+
 def test_initialisation_skipped_leaves_nan_and_the_generator_alone():
     before = torch.get_rng_state()
     shard = torch.zeros(4, 3)

@@ -13,7 +13,10 @@ files that exist, after checking them for truncation (steps 13 and 15 of
    one GPU, say; :func:`fairseq_megatron.checkpoint_resharding.resharded_model`).
    Every rank checks that no part file is cut short before any rank loads
    one: a truncated part made its rank fail inside torch.load while the
-   others reported a lost connection.
+   others reported a lost connection. fairseq-eval-lm and -validate load
+   ``--path`` whole: two checkpoints joined as ``a.pt:b.pt`` (an ensemble,
+   for fairseq-generate) were "no checkpoint a.pt:b.pt"; that is now one
+   line saying these tools score one model.
 
 15. :func:`training_from_checkpoints_at_another_size` -- fairseq-train
    resuming in a save dir whose checkpoint has another size silently started
@@ -93,6 +96,24 @@ def _refuse_one_part_as(flag: str, path: str) -> None:
                          f"{flag} {checkpoint} (fairseq adds -model_part-K for each rank)")
 
 
+def _refuse_an_ensemble_as_one_path(path: str) -> None:
+    """fairseq-generate and -interactive split ``--path a.pt:b.pt`` into an
+    ensemble; fairseq-eval-lm and -validate load ``--path`` whole, and said
+    "no checkpoint a.pt:b.pt" (with a part name made from the joined
+    string) although both checkpoints exist.
+
+    Raises:
+        UsageError: ``path`` names no checkpoint, but each of its
+            ``os.pathsep``-separated pieces does.
+    """
+    from fairseq_megatron.errors import UsageError
+
+    pieces = path.split(os.pathsep)
+    if len(pieces) > 1 and not _existing_part_files(path) and all(map(_existing_part_files, pieces)):
+        raise UsageError(f"--path {path} names {len(pieces)} checkpoints: this tool scores one model "
+                         f"(fairseq-generate and fairseq-interactive take an ensemble as --path a.pt{os.pathsep}b.pt)")
+
+
 def _resharded_state(path: str, files: list, arg_overrides=None, with_ema: bool = False):
     """This rank's part of checkpoint ``path`` (saved at another
     model-parallel size in ``files``), built in memory, in the form fairseq's
@@ -164,6 +185,7 @@ def checkpoints_at_another_model_parallel_size() -> None:
         ensemble, cfg = [], None
         for filename in filenames:
             _refuse_one_part_as("--path", filename)
+            _refuse_an_ensemble_as_one_path(filename)
             try:
                 files = find_part_files(filename)
             except FileNotFoundError:

@@ -955,7 +955,9 @@ def test_refused_options_stop_fairseq_train_before_it_writes(trained, tmp_path):
     """Options the model cannot take stop fairseq-train while it parses its
     command line (the architecture function checks them), so nothing is
     written: before, fairseq created --save-dir and only building the model
-    refused them. One process, and two under torchrun, each rank saying it."""
+    refused them. So is --fp16 on CPU, at the start of fairseq-train's main
+    (it failed in fairseq's FP16 optimizer). One process, and two under
+    torchrun, each rank saying it."""
     save_dir = tmp_path / "never"
     args = train_args(trained["data"], str(save_dir), max_update=1)
     args[args.index("--model-parallel-size") + 1] = "1"
@@ -963,6 +965,9 @@ def test_refused_options_stop_fairseq_train_before_it_writes(trained, tmp_path):
     assert rc == 1 and out.rstrip().splitlines()[-1] == (
         "error: --scale-attn: not implemented by the model-parallel decoder; drop it (fairseq's own "
         "transformer_lm has it, without model parallelism)"), out[-3000:]
+    assert not save_dir.exists()
+    rc, out = fairseq("train", args + ["--fp16"], check=False)  # checked before main writes (step 24)
+    assert rc == 1 and out.rstrip().splitlines()[-1].startswith("error: --fp16 needs a CUDA GPU"), out[-3000:]
     assert not save_dir.exists()
     args = train_args(trained["data"], str(save_dir), max_update=1) + ["--decoder-attention-heads", "3",
                                                                         "--decoder-embed-dim", "48"]

@@ -123,6 +123,39 @@ def test_model_parallel_size_without_distributed_init():
         build_model(2)
 
 
+def test_training_precisions_that_fail_on_this_machine_are_refused(monkeypatch):
+    """fairseq's --bf16 means TPU, and --fp16's optimizer needs CUDA: both
+    failed with tracebacks after the model was built (fairseq-train calls
+    this check first, fairseq_integration step 24)."""
+    import importlib.util
+    from argparse import Namespace
+
+    from fairseq_megatron.models.model_parallel_transformer_lm import check_training_precision
+
+    def common(**flags):
+        fields = dict(bf16=False, memory_efficient_bf16=False, fp16=False, memory_efficient_fp16=False, cpu=False)
+        return Namespace(**{**fields, **flags})
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch_xla" else object())
+    for flags, refused in [
+        (dict(bf16=True), "fairseq's --bf16 means TPU (it needs torch_xla); for bf16 on a GPU or CPU use "
+                          "--bf16-autocast (fp32 weights, bf16 autocast)"),
+        (dict(bf16=True, memory_efficient_bf16=True), "fairseq's --memory-efficient-bf16 means TPU"),
+        (dict(fp16=True, cpu=True), "--fp16 needs a CUDA GPU (fairseq's FP16 optimizer keeps its fp32 master "
+                                    "weights there); on CPU train in fp32 or with --bf16-autocast"),
+    ]:
+        with pytest.raises(UsageError, match="^" + re.escape(refused)):
+            check_training_precision(common(**flags))
+    for fine in (dict(), dict(fp16=True), dict(fp16=True, memory_efficient_fp16=True, cpu=True)):
+        check_training_precision(common(**fine))  # GPU fp16, and CPU memory-efficient fp16, run
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UsageError, match="^--fp16 needs a CUDA GPU"):
+        check_training_precision(common(fp16=True))  # no --cpu, but no CUDA either
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    check_training_precision(common(bf16=True))  # with torch_xla: fairseq's TPU path, left alone
+
+
 def test_bf16_autocast_refuses_fp16_training():
     """--bf16-autocast needs fp32 weights; with --fp16 it would silently do
     nothing (the weights are already half precision), so it is refused."""

@@ -37,8 +37,9 @@ and the checks fairseq-train makes before it writes anything (steps 3, 7,
    ``main`` creates ``--save-dir`` (and writes a probe file into it) first,
    and only building the model refused ``--model-parallel-size`` > 1 in one
    process without a launcher and ``--ddp-backend fully_sharded``, so both
-   left an empty save dir behind. ``main`` now checks them first, for our
-   architectures (the model's option checks already run while fairseq
+   left an empty save dir behind; ``--bf16`` without torch_xla and
+   ``--fp16`` on CPU failed with tracebacks after building it. ``main`` now
+   checks them first, for our architectures (the model's option checks already run while fairseq
    parses the command line). The refusals that need the task or a
    checkpoint (a dict.txt other than the checkpoint's, training samples
    all longer than the model's positions) come after ``main`` made
@@ -236,6 +237,7 @@ def launch_checked_before_fairseq_train_writes() -> None:
     from fairseq_megatron.models.model_parallel_transformer_lm import (
         check_data_parallel_backend,
         check_processes,
+        check_training_precision,
         is_model_parallel_arch,
     )
 
@@ -247,6 +249,7 @@ def launch_checked_before_fairseq_train_writes() -> None:
                 size = cfg.common.model_parallel_size
                 check_processes(size, parallel_state.world_size(None))
                 check_data_parallel_backend(cfg.distributed_training.ddp_backend, size, cfg.common.cpu)
+                check_training_precision(cfg.common)
             # fairseq's main makes --save-dir on the master rank only
             made = directories_missing(cfg.checkpoint.save_dir) if distributed_utils.is_master(
                 cfg.distributed_training) else []

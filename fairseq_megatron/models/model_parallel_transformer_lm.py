@@ -153,6 +153,32 @@ def check_data_parallel_backend(ddp_backend: str, model_parallel_size: int, cpu:
         raise UsageError(f"--ddp-backend fully_sharded needs CUDA GPUs (fairscale's FSDP); on CPU {others}")
 
 
+def check_training_precision(common) -> None:
+    """Refuse fairseq-train precision flags that fail later on this machine.
+
+    ``common``: fairseq's ``cfg.common``. ``--bf16`` means TPU in fairseq
+    0.12 (it sets ``--tpu``; FAIRSEQ_FACTS.md) and without ``torch_xla``
+    fairseq-train failed with "'NoneType' object has no attribute
+    'xla_device'". ``--fp16`` on CPU (``--cpu``, or no CUDA) failed in
+    ``fairseq/optim/fp16_optimizer.py``, whose fp32 master weights go to the
+    current CUDA device: "Torch not compiled with CUDA enabled".
+    ``--memory-efficient-fp16`` and ``--amp`` run there and pass.
+
+    Raises:
+        UsageError: either case, naming the flag to use instead.
+    """
+    import importlib.util
+
+    if (common.bf16 or common.memory_efficient_bf16) and importlib.util.find_spec("torch_xla") is None:
+        flag = "--memory-efficient-bf16" if common.memory_efficient_bf16 else "--bf16"
+        raise UsageError(f"fairseq's {flag} means TPU (it needs torch_xla); for bf16 on a GPU or CPU "
+                         f"use --bf16-autocast (fp32 weights, bf16 autocast)")
+    fp16_optimizer = common.fp16 and not common.memory_efficient_fp16  # fairseq sets fp16 for both
+    if fp16_optimizer and (common.cpu or not torch.cuda.is_available()):
+        raise UsageError("--fp16 needs a CUDA GPU (fairseq's FP16 optimizer keeps its fp32 master weights "
+                         "there); on CPU train in fp32 or with --bf16-autocast")
+
+
 def _data_parallel_backend_being_built() -> str:
     """``fully_sharded`` while fairseq-train builds the model inside
     fairscale's ``enable_wrap`` (its FSDP backend), else ``pytorch_ddp``.

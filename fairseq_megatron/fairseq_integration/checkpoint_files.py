@@ -61,7 +61,7 @@ built for a checkpoint's weights (steps 4, 16, 20 to 23 and 26 of
    -interactive, -validate, the hub interface) builds the model, which draws
    random initial weights, then loads every parameter from the checkpoint
    with ``strict=True``. Drawing them is nearly all of the build: about
-   2 minutes of CPU on every rank for Megatron-11b (every rank draws each
+   2 minutes on 2 CPU threads, on every rank, for Megatron-11b (every rank draws each
    layer's full master tensor, :mod:`fairseq_megatron.modules.sharding`).
    The model-parallel layers are now left NaN under a strict load (a
    parameter the checkpoint did not fill would show, not pass for trained)

@@ -48,8 +48,8 @@ def initialisation_skipped() -> Iterator[None]:
     they are built (``fairseq_integration`` step 26). Drawing the master
     tensors is the whole cost of building the model: 14 s of 14 s for
     8 Megatron-11b layers (1.2B parameters) on 2 CPU threads, so about
-    2 minutes of CPU for the 72 layers, on every rank of every model-parallel
-    size (each rank draws the full master tensor of each layer).
+    2 minutes on 2 threads for the 72 layers, on every rank at every
+    model-parallel size (each rank draws the full master tensor of each layer).
     """
     global _initialisation_skipped
     previous, _initialisation_skipped = _initialisation_skipped, True

@@ -402,7 +402,7 @@ def _verify(path: str, expected: Dict[str, str]) -> None:
         gc.collect()
 
 
-def _save_verified(state: dict, path: str, verify: bool) -> None:
+def save_verified(state: dict, path: str, verify: bool) -> None:
     """Write ``state`` to ``path.tmp``, optionally verify it, rename it to ``path``.
 
     Consumes ``state``: it is emptied after writing, so the tensors are freed
@@ -642,7 +642,7 @@ def reshard(input_path: str, output_path: str, new_size: int, verify: bool = Tru
     for rank, out in enumerate(outputs):
         state = _part_state(parts, rank, new_size, check_replicas=(rank == 0), with_optimizer=with_optimizer,
                             progress=progress)
-        _save_verified(state, out, verify)
+        save_verified(state, out, verify)
         del state
         parts.release()
     return outputs
@@ -729,5 +729,5 @@ def export_to_fairseq(input_path: str, output_path: str, vocab_size: Optional[in
         entry["criterion_name"] = "CrossEntropyCriterion"
     state = {"args": None, "cfg": cfg, "model": model, "optimizer_history": history, "extra_state": {}}
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
-    _save_verified(state, output_path, verify)
+    save_verified(state, output_path, verify)
     return output_path

@@ -30,6 +30,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_reshard import model_shapes  # noqa: E402
 
+from fairseq_megatron.checkpoint_resharding import save_verified  # noqa: E402
+
 _LOAD = (
     "import sys, time, torch\n"
     "torch.set_num_threads(int(sys.argv[3]))\n"
@@ -48,7 +50,7 @@ def write_checkpoint(directory: str, layers: int, hidden: int, ffn: int, heads: 
     """A size-1 checkpoint ``directory/model.pt`` as fairseq-train saves it,
     random fp16 weights, and ``directory/dict.txt`` with ``vocab - 4`` words
     (fairseq adds 4 special symbols). Written under temporary names, then
-    renamed. Returns the parameter count."""
+    renamed (no partial file stays on failure). Returns the parameter count."""
     dict_path = os.path.join(directory, "dict.txt")
     with open(dict_path + ".tmp", "w") as f:
         f.writelines(f"w{i} 1\n" for i in range(vocab - 4))
@@ -64,10 +66,8 @@ def write_checkpoint(directory: str, layers: int, hidden: int, ffn: int, heads: 
     model["decoder.output_projection.weight"] = model["decoder.embed_tokens.weight"]
     history = [{"num_updates": 0, "best_loss": None, "criterion_name": "CrossEntropyCriterion",
                 "optimizer_name": "Adam", "lr_scheduler_state": {}}]
-    path = os.path.join(directory, "model.pt")
-    torch.save({"args": args, "model": model, "optimizer_history": history, "extra_state": {},
-                "last_optimizer_state": None}, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    save_verified({"args": args, "model": model, "optimizer_history": history, "extra_state": {},
+                   "last_optimizer_state": None}, os.path.join(directory, "model.pt"), verify=False)
     return count
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -247,6 +248,17 @@ def test_cli_table_json_and_errors(capsys):
     header, row = capsys.readouterr().out.splitlines()[1:3]
     # 24 layers x 2*s*b*h bytes (s 1024, b 64, h 3072) in host memory: 9.66 GB
     assert header.endswith("host GB") and row.split()[-1] == "9.7", (header, row)
+    # nothing fits: the table still, the smallest need on stderr, exit 1 (scripts can test it)
+    assert plan_parallelism.main(["--arch", "transformer_lm_megatron_11b", "--gpus", "1", "--gpus-per-node", "1",
+                                  "--global-batch", "8", "--micro-batch", "8", "--gpu-memory", "80"]) == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1] == "recommended: none" and out.splitlines()[-2].split()[-1] == "no"
+    assert re.fullmatch(r"error: no layout fits; the smallest needs [0-9.]+ GB per GPU \(TP=1, PP=1\): "
+                        r"lower it with .*, or use more GPUs\n", err), err
+    assert plan_parallelism.main(["--arch", "transformer_lm_megatron_11b", "--gpus", "1", "--gpus-per-node", "1",
+                                  "--global-batch", "8", "--micro-batch", "8", "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["recommended"] is None and err.startswith("error: no layout fits")
     # impossible requests: one error line, exit 1
     assert plan_parallelism.main(["--arch", "transformer_lm_megatron_11b", "--gpus", "8", "--global-batch", "63",
                                   "--micro-batch", "2"]) == 1

@@ -8,7 +8,9 @@
 Lists every valid (TP, PP, DP) layout with gradient accumulation steps,
 parameters and memory per GPU (weights, gradients, optimizer state,
 activations), model FLOPs per step and a recommendation. The formulas are in
-fairseq_megatron/planner.py.
+fairseq_megatron/planner.py. Exit status 1 when no layout fits the GPU memory
+(the table is still printed, and the PNG written; stderr says what the
+smallest layout needs), as for a request that allows no layout at all.
 """
 
 import argparse
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
                   f"{l.weights_gb:8.1f} {l.gradients_gb:7.1f} {l.optimizer_gb:7.1f} {l.activations_gb:7.1f} "
                   f"{l.total_gb:9.1f}  {'yes' if l.fits else 'no':>{len(f'fits {args.gpu_memory:g} GB')}}"
                   + (f"  {l.host_activations_gb:7.1f}" if host else ""))
-        print(f"recommended: {reason}")
+        print(f"recommended: {reason if best else 'none'}")
     if args.png:
         try:
             write_png(layouts, args.png)
@@ -159,6 +161,9 @@ def main(argv=None) -> int:
         except OSError as e:  # a missing directory, no permission
             print(f"error: --png {args.png}: {e.strerror}", file=sys.stderr)
             return 1
+    if best is None:
+        print(f"error: {reason}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -116,11 +116,15 @@ def test_train_writes_one_part_per_rank(trained):
     assert "training on 2 devices" in trained["first_log"]
 
 
-def test_resume_from_part_files(trained):
-    _, log = fairseq("train", train_args(trained["data"], trained["ckpt"], max_update=7), nproc=2)
+def test_resume_from_part_files(trained, tmp_path):
+    """In a copy of the fixture's save dir: the other tests of this module
+    expect its checkpoint at update 4, whichever runs first."""
+    save_dir = str(tmp_path / "ckpt")
+    shutil.copytree(trained["ckpt"], save_dir)
+    _, log = fairseq("train", train_args(trained["data"], save_dir, max_update=7), nproc=2)
     assert re.search(r"Loaded checkpoint .*checkpoint_last-model_part-0\.pt \(epoch 1 @ 4 updates\)", log), log[-3000:]
     assert "num_updates 7" in log or "num_updates=7" in log
-    state = torch.load(os.path.join(trained["ckpt"], "checkpoint_last-model_part-1.pt"), weights_only=False)
+    state = torch.load(os.path.join(save_dir, "checkpoint_last-model_part-1.pt"), weights_only=False)
     assert state["optimizer_history"][-1]["num_updates"] == 7
 
 

@@ -3,7 +3,12 @@
 weights draws no initial weights, and every parameter still comes from the
 checkpoint. In one process at model-parallel size 1; the tools that use it
 at other sizes are tested end to end in test_end_to_end.py and
-test_eval_lm.py."""
+test_eval_lm.py.
+
+And fairseq-train's model (step 27), built before fairseq-train knows
+whether a checkpoint will fill it: its draws are deferred, and when they run
+they give bitwise the weights, and the generator state, of a build that
+drew them, at model-parallel sizes 1 and 2."""
 
 import math
 import os
@@ -16,7 +21,7 @@ from fairseq import checkpoint_utils
 import fairseq_megatron  # noqa: F401  (installs the integration steps)
 from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
 from fairseq_megatron.modules import sharding
-from tests.helpers import build_model, make_dictionary, model_args
+from tests.helpers import LMTask, build_model, init_model_parallel, make_dictionary, model_args, run_distributed
 
 # The weights the model-parallel layers draw through sharding.init_shard_:
 # q/k/v/out projections, fc1/fc2 and the vocab-parallel embedding (tied to
@@ -136,3 +141,131 @@ def test_loading_benchmark_runs_both_ways_on_a_tiny_shape(tmp_path):
     assert re.search(r"load 1, initial weights drawn: [0-9.]+ s\nload 1, initial weights skipped: [0-9.]+ s\n"
                      r"median: drawn [0-9.]+ s, skipped [0-9.]+ s", proc.stdout), proc.stdout
     assert sorted(os.listdir(tmp_path)) == ["dict.txt", "model.pt"]  # no temporary file left
+
+    # --fairseq-train: fairseq-train resuming from it; the script checks that
+    # the skipped way logged step 27's line and the drawn way did not
+    proc = subprocess.run([sys.executable, script, "--work-dir", str(tmp_path), "--layers", "1", "--hidden", "64",
+                           "--heads", "4", "--ffn", "128", "--vocab", "64", "--repeats", "1", "--fairseq-train"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert re.search(r"median: drawn [0-9.]+ s, skipped [0-9.]+ s .*, fairseq-train's build and load",
+                     proc.stdout), proc.stdout
+    assert sorted(os.listdir(tmp_path)) == ["dict.txt", "model.pt"]  # its save dir removed
+
+
+def _built_both_ways(model_parallel_size: int, seed: int = 7, **overrides) -> dict:
+    """Our model built from ``seed`` as before, and again with its draws
+    deferred, cast to fp16 (as fairseq's trainer does before it looks for a
+    checkpoint), then drawn: what each way gives and leaves behind."""
+    drawn, _ = build_model(model_parallel_size, seed=seed, **overrides)
+    generator_after_the_build = torch.get_rng_state()
+
+    torch.manual_seed(seed)
+    args = model_args(model_parallel_size, **overrides)
+    with sharding.initialisation_deferred() as deferred:
+        lazy = ModelParallelTransformerLanguageModel.build_model(args, LMTask(make_dictionary()))
+    moved = deferred.generator_moved()
+    nan_before = sorted(n for n, p in lazy.named_parameters() if torch.isnan(p).all())
+    queued = len(deferred)
+    lazy.half()
+    torch.rand(5)  # a draw between the build and the run, which starts from the build's state regardless
+    deferred.run()
+    return {
+        "moved": moved, "queued": queued, "nan_before": nan_before,
+        "drawn_names": sorted(n for n, _ in drawn.named_parameters() if n.endswith(DRAWN)),
+        "same_generator": torch.equal(torch.get_rng_state(), generator_after_the_build),
+        "different": [k for k, v in drawn.state_dict().items() if not torch.equal(lazy.state_dict()[k], v.half())],
+        "finite": all(torch.isfinite(p).all() for p in lazy.parameters()),
+    }
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_deferred_draws_give_the_weights_and_generator_state_of_the_build(tied):
+    """Tied: the output projection's own nn.Linear weight, drawn and thrown
+    away, keeps its place in the sequence; untied: it is a column-parallel
+    layer of its own. Tolerance: none (the same draws, in the same order,
+    cast to fp16 by the same rounding)."""
+    both = _built_both_ways(1, share_decoder_input_output_embed=tied)
+    assert not both["moved"]  # nothing drew during the deferred build
+    # 2 layers x 6 weight matrices, the embedding, and the output projection
+    # (tied: the throwaway draw; untied: its own weight, NaN too)
+    assert both["queued"] == 14
+    untied = [] if tied else ["decoder.output_projection.weight"]
+    assert both["nan_before"] == sorted(both["drawn_names"] + untied) and len(both["nan_before"]) == 13 + (not tied)
+    assert both["different"] == [] and both["finite"] and both["same_generator"]
+
+
+def _both_ways_in_a_group(rank, world_size):
+    init_model_parallel(world_size, seed=0)
+    assert sharding.deferred_initialisation() is None
+    return _built_both_ways(world_size)
+
+
+def test_deferred_draws_give_each_rank_its_shard_at_model_parallel_size_2(tmp_path):
+    for rank, both in enumerate(run_distributed(_both_ways_in_a_group, 2, tmp_path)):
+        assert not both["moved"] and both["queued"] == 14, rank
+        assert both["nan_before"] == both["drawn_names"], rank
+        assert both["different"] == [] and both["finite"] and both["same_generator"], rank
+
+
+def test_fairseq_train_builds_deferred_unless_the_build_draws_elsewhere(monkeypatch):
+    """Step 27's choice, through fairseq's ``models.build_model`` as fairseq-train
+    calls it: deferred for our architectures; built as before when another
+    module drew from the generator in the build (``--decoder-learned-pos``:
+    fairseq's learned positional embedding), and outside fairseq-train."""
+    from fairseq import models
+
+    from fairseq_megatron.fairseq_integration import checkpoint_files
+
+    def build(seed, **overrides):
+        torch.manual_seed(seed)
+        args = model_args(1, **overrides)
+        args.arch = "transformer_lm_megatron_11b"
+        return models.build_model(args, LMTask(make_dictionary()))
+
+    assert build(0).deferred_initialisation is None  # not in fairseq-train: drawn at once
+    monkeypatch.setattr(checkpoint_files, "_in_fairseq_train", True)
+    lazy = build(4)
+    assert len(lazy.deferred_initialisation) == 14
+    assert torch.isnan(lazy.decoder.layers[0].fc1.weight).all()
+    lazy.run_deferred_initialisation()
+    assert lazy.deferred_initialisation is None
+    for name, tensor in build_model(1, seed=4)[0].state_dict().items():
+        assert torch.equal(lazy.state_dict()[name], tensor), name
+
+    learned = build(4, decoder_learned_pos=True)
+    assert learned.deferred_initialisation is None
+    expected_generator = torch.get_rng_state()
+    reference, _ = build_model(1, seed=4, decoder_learned_pos=True)
+    assert torch.equal(torch.get_rng_state(), expected_generator)
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(learned.state_dict()[name], tensor), name
+
+
+def test_a_strict_load_drops_the_deferred_draws_and_a_partial_load_runs_them_first(monkeypatch):
+    from fairseq import models
+
+    from fairseq_megatron.fairseq_integration import checkpoint_files
+
+    monkeypatch.setattr(checkpoint_files, "_in_fairseq_train", True)
+    trained, _ = build_model(1, seed=9)
+    weights = trained.state_dict()
+
+    def deferred_model():
+        torch.manual_seed(4)
+        args = model_args(1)
+        args.arch = "transformer_lm_megatron_11b"
+        return models.build_model(args, LMTask(make_dictionary()))
+
+    model, before = deferred_model(), torch.get_rng_state()
+    model.load_state_dict(weights)
+    assert model.deferred_initialisation is None and torch.equal(torch.get_rng_state(), before)
+    assert not model.run_deferred_initialisation()  # nothing left to draw over the loaded weights
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+
+    partial = {k: v for k, v in weights.items() if k != "decoder.layers.1.fc1.weight"}
+    model = deferred_model()
+    model.load_state_dict(partial, strict=False)
+    initial, _ = build_model(1, seed=4)
+    assert torch.equal(model.decoder.layers[1].fc1.weight, initial.decoder.layers[1].fc1.weight)
+    assert torch.equal(model.decoder.layers[0].fc1.weight, weights["decoder.layers.0.fc1.weight"])

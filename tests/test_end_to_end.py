@@ -194,15 +194,49 @@ def test_a_resumed_run_repeats_the_uninterrupted_one_with_dropout(trained, tmp_p
     checkpoint carries each rank's model-parallel RNG stream (dropout inside
     the tensor-parallel region) and fairseq reseeds the others per update.
     fairseq issue 2681 reports resumed model-parallel runs that drift.
-    Tolerance: none beyond the 3 printed decimals (same code, same order)."""
+    The resumed run never drew the initial weights it would have thrown away
+    (fairseq_integration step 27). Tolerance: none beyond the 3 printed
+    decimals (same code, same order)."""
+    logs = []
+
     def run(save_dir, max_update):
         args = train_args(trained["data"], str(save_dir), max_update)
-        return _per_update(fairseq("train", args, nproc=2)[1], "loss")
+        logs.append(fairseq("train", args, nproc=2)[1])
+        return _per_update(logs[-1], "loss")
 
     whole = run(tmp_path / "whole", 6)
     first, second = run(tmp_path / "stopped", 3), run(tmp_path / "stopped", 6)
     assert len(whole) == 6 and len(first) == len(second) == 3, (whole, first, second)
     assert first + second == whole, (whole, first, second)
+    drew, filled = "drew the initial weights (deferred from the build)", "the initial weights were not drawn"
+    assert [(drew in log, filled in log) for log in logs] == [(True, False), (True, False), (False, True)]
+
+
+def test_a_new_run_starts_from_the_weights_a_build_from_its_seed_draws(trained, tmp_path):
+    """fairseq-train defers the initial draws until it has found no
+    checkpoint (fairseq_integration step 27); they must still give the
+    weights that building the model right after fairseq seeds the generator
+    with ``--seed`` gives. With ``--lr 0`` the update moves no weight
+    (Adam's step and weight decay are multiples of the learning rate), so
+    the saved weights are the initial ones. Size 1, one process.
+    Tolerance: none (the same draws in the same order, fp32 throughout)."""
+    from fairseq import checkpoint_utils, tasks
+
+    save_dir = tmp_path / "ckpt"
+    args = train_args(trained["data"], str(save_dir), 1)
+    args[args.index("--model-parallel-size") + 1] = "1"
+    args[args.index("--lr") + 1] = "0"
+    _, log = fairseq("train", args)
+    assert "no checkpoint to load: drew the initial weights" in log, log[-3000:]
+    state = checkpoint_utils.load_checkpoint_to_cpu(str(save_dir / "checkpoint_last.pt"))
+    assert state["optimizer_history"][-1]["num_updates"] == 1
+
+    torch.manual_seed(3)  # what fairseq-train's main does first, with --seed 3
+    task = tasks.setup_task(state["cfg"]["task"])
+    built = task.build_model(state["cfg"]["model"]).state_dict()
+    assert built.keys() == state["model"].keys()
+    different = [k for k, v in built.items() if not torch.equal(state["model"][k], v)]
+    assert different == [], different
 
 
 def test_resuming_at_another_size_stops_instead_of_starting_over(trained, tmp_path):

@@ -34,6 +34,7 @@ step, what fairseq did and what it does now. Other files cite them as
 24. :func:`launch.launch_checked_before_fairseq_train_writes`
 25. :func:`trainer.finished_training_left_as_it_is`
 26. :func:`checkpoint_files.models_for_a_checkpoint_skip_initialisation`
+27. :func:`checkpoint_files.training_draws_initial_weights_only_without_a_checkpoint`
 
 :mod:`.patching` holds the means they share: stand-ins for a module as one
 fairseq module sees it, and names replaced in the ``fairseq_cli`` modules.
@@ -84,4 +85,5 @@ def install() -> None:
     launch.launch_checked_before_fairseq_train_writes()
     trainer.finished_training_left_as_it_is()
     checkpoint_files.models_for_a_checkpoint_skip_initialisation()
+    checkpoint_files.training_draws_initial_weights_only_without_a_checkpoint()
     _INSTALLED = True

@@ -2,7 +2,8 @@
 loading, a loaded checkpoint sent within a data-parallel group, the epoch's
 position at another data-parallel size, the best-N part files, copies
 written whole, part names under directories whose name holds ".pt", models
-built for a checkpoint's weights (steps 4, 16, 20 to 23 and 26 of
+built for a checkpoint's weights, or for fairseq-train before it knows
+(steps 4, 16, 20 to 23, 26 and 27 of
 :mod:`fairseq_megatron.fairseq_integration`).
 
 4. :func:`trusted_checkpoint_loading` -- torch >= 2.6 loads with
@@ -70,6 +71,19 @@ built for a checkpoint's weights (steps 4, 16, 20 to 23 and 26 of
    (``--checkpoint-shard-count`` > 1) initialises as before. On 8
    Megatron-11b layers ``load_model_ensemble_and_task`` took 22.0 s, now
    6.1 s (2 CPU threads, ``scripts/benchmark_model_loading.py``).
+
+27. :func:`training_draws_initial_weights_only_without_a_checkpoint` --
+   fairseq-train builds the model, drawing its initial weights, before it
+   looks for a checkpoint to resume or fine-tune from, whose weights then
+   replace them all (a strict load): the same minutes as in step 26 on every
+   restart of a Megatron-11b run. fairseq-train now builds our models with
+   the draws deferred (:func:`fairseq_megatron.modules.sharding.initialisation_deferred`);
+   a checkpoint's strict load drops them, and without a checkpoint they run
+   when the trainer has looked for one, from the generator state the build
+   began with: a new run starts from bitwise the weights it started from
+   before. If anything else in the build drew from the generator (fairseq's
+   ``--decoder-learned-pos`` embedding), or ``--store-ema`` copies the model
+   in the trainer's constructor, the model is built as before.
 """
 
 import contextlib
@@ -82,7 +96,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fairseq_megatron.fairseq_integration.patching import TorchStandIn
+from fairseq_megatron.fairseq_integration.patching import TorchStandIn, patch_cli_main
 
 logger = logging.getLogger(__name__)
 
@@ -327,3 +341,64 @@ def models_for_a_checkpoint_skip_initialisation() -> None:
             return original(filenames, arg_overrides, task, strict, suffix, num_shards, state)
 
     checkpoint_utils.load_model_ensemble_and_task = load_model_ensemble_and_task
+
+
+# Whether fairseq-train's main is running in this process (step 27).
+_in_fairseq_train = False
+
+
+def training_draws_initial_weights_only_without_a_checkpoint() -> None:
+    from fairseq import models
+    from fairseq.trainer import Trainer
+
+    from fairseq_megatron.models.model_parallel_transformer_lm import is_model_parallel_arch
+    from fairseq_megatron.modules.sharding import initialisation_deferred
+
+    def wrap_train(original_main, module):
+        def main(cfg, **kwargs):
+            global _in_fairseq_train
+            # fairseq's EMA deep-copies the model in the trainer's constructor, before any load
+            _in_fairseq_train = not cfg.ema.store_ema
+            try:
+                return original_main(cfg, **kwargs)
+            finally:
+                _in_fairseq_train = False
+
+        return main
+
+    patch_cli_main("fairseq_cli.train", wrap_train)
+
+    original_build = models.build_model
+
+    @functools.wraps(original_build)
+    def build_model(cfg, task, *args, **kwargs):
+        arch = getattr(cfg, "_name", None) or getattr(cfg, "arch", None)
+        if not (_in_fairseq_train and is_model_parallel_arch(arch)):
+            return original_build(cfg, task, *args, **kwargs)
+        with initialisation_deferred() as deferred:
+            model = original_build(cfg, task, *args, **kwargs)
+        if deferred.generator_moved():  # another module drew: deferred draws would come out of order
+            del model
+            deferred.drop()  # and its references to the parameters, before the second build
+            torch.set_rng_state(deferred.generator_state)
+            return original_build(cfg, task, *args, **kwargs)
+        model.deferred_initialisation = deferred
+        return model
+
+    models.build_model = build_model
+
+    original_load = Trainer.load_checkpoint
+
+    @functools.wraps(original_load)
+    def load_checkpoint(self, *args, **kwargs):
+        model = self.get_model()
+        deferred = getattr(model, "deferred_initialisation", None)
+        extra_state = original_load(self, *args, **kwargs)
+        if deferred is not None:
+            if model.run_deferred_initialisation():
+                logger.info("no checkpoint to load: drew the initial weights (deferred from the build)")
+            else:
+                logger.info("the checkpoint filled every parameter: the initial weights were not drawn")
+        return extra_state
+
+    Trainer.load_checkpoint = load_checkpoint

@@ -358,6 +358,34 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
     def build_embedding(cls, args, dictionary, embed_dim, path=None):
         return VocabParallelEmbedding(len(dictionary), embed_dim, dictionary.pad())
 
+    # The draws left out of this model's build, when fairseq-train built it
+    # before knowing whether a checkpoint would fill it (fairseq_integration
+    # step 27); None once they ran or a checkpoint made them needless.
+    deferred_initialisation: Optional[sharding.DeferredInitialisation] = None
+
+    def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
+        """fairseq's, for a model whose initialisation is deferred as well: a
+        strict load fills every parameter (or raises), so the draws are
+        dropped; before a non-strict one they run, as the parameters the
+        state dict lacks keep their initial values."""
+        deferred = self.deferred_initialisation
+        if deferred is not None and not strict:
+            self.run_deferred_initialisation()
+        result = super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
+        if deferred is not None and strict:
+            deferred.drop()
+            self.deferred_initialisation = None
+        return result
+
+    def run_deferred_initialisation(self) -> bool:
+        """Draw the initial weights that the build deferred, if any are
+        still due; True if it drew them."""
+        deferred, self.deferred_initialisation = self.deferred_initialisation, None
+        if deferred is None:
+            return False
+        deferred.run()
+        return True
+
 
 class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopied, TransformerDecoder):
     """fairseq's TransformerDecoder with model-parallel layers and output projection.
@@ -484,12 +512,16 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
             # fairseq's key decoder.output_projection.weight, tied as in fairseq.
             # Its own weight is replaced at once; where a checkpoint's weights
             # follow, it is not even drawn (2.6 s of CPU for Megatron-11b's).
+            # Deferred, the draw (thrown away again) keeps its place in the
+            # generator's sequence, so the layers after it get their weights.
+            shape = (embed_tokens.weight.shape[1], embed_tokens.weight.shape[0])
             linear = nn.Linear
-            if sharding.initialisation_is_skipped():
+            deferred = sharding.deferred_initialisation()
+            if sharding.initialisation_is_skipped() or deferred is not None:
                 linear = functools.partial(torch.nn.utils.skip_init, nn.Linear)
-            self.output_projection = linear(
-                embed_tokens.weight.shape[1], embed_tokens.weight.shape[0], bias=False
-            )
+            if deferred is not None and not sharding.initialisation_is_skipped():
+                deferred.add(functools.partial(nn.Linear, *shape, bias=False))
+            self.output_projection = linear(*shape, bias=False)
             self.output_projection.weight = embed_tokens.weight
         else:
             dim = self.output_embed_dim

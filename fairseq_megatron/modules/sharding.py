@@ -11,10 +11,14 @@ A model built only to receive a checkpoint's weights (fairseq's
 ``strict=True`` right after building) needs none of this:
 :func:`initialisation_skipped` leaves its shards NaN instead, so that a
 parameter the checkpoint failed to fill cannot pass for a trained one.
+A model that may or may not get a checkpoint's weights (fairseq-train, which
+builds before it looks for ``checkpoint_last.pt``) is built within
+:func:`initialisation_deferred`: the draws wait, and run only if no
+checkpoint fills the parameters, giving the same weights as at the build.
 """
 
 import contextlib
-from typing import Callable, Iterator
+from typing import Callable, Iterator, List, Optional
 
 import torch
 
@@ -65,6 +69,71 @@ def initialisation_is_skipped() -> bool:
     return _initialisation_skipped
 
 
+class DeferredInitialisation:
+    """The initialisations left out of a build within
+    :func:`initialisation_deferred`, in the order they were due, and the
+    default generator's state when the build began.
+
+    :meth:`run` draws them from that state, so the parameters get bitwise
+    the values the build would have given them, and the generator is left
+    where the build would have left it, provided nothing else drew from it
+    during the build (the caller checks: :meth:`generator_moved`). The
+    parameters may have been moved to another device or dtype since
+    (``nn.Module.half``/``.to`` keep the Parameter objects): each master
+    tensor is still drawn in fp32 on the CPU, then cast into the shard.
+    """
+
+    def __init__(self):
+        self.generator_state = torch.get_rng_state()
+        self._pending: List[Callable[[], object]] = []
+
+    def add(self, initialise: Callable[[], object]) -> None:
+        """Queue ``initialise()`` (its result is discarded)."""
+        self._pending.append(initialise)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def generator_moved(self) -> bool:
+        """Whether the default generator has drawn since the build began."""
+        return not torch.equal(torch.get_rng_state(), self.generator_state)
+
+    def run(self) -> None:
+        """Draw the queued initialisations, in order, from the state at the
+        build's start (the generator is reset to it first)."""
+        torch.set_rng_state(self.generator_state)
+        for initialise in self._pending:
+            initialise()
+        self._pending.clear()
+
+    def drop(self) -> None:
+        """Forget the queued initialisations (a checkpoint filled the
+        parameters); the references to them go with them."""
+        self._pending.clear()
+
+
+_deferred: Optional[DeferredInitialisation] = None
+
+
+@contextlib.contextmanager
+def initialisation_deferred() -> Iterator[DeferredInitialisation]:
+    """Within this context :func:`init_shard_` fills shards with NaN and
+    queues its draw on the :class:`DeferredInitialisation` yielded, drawing
+    nothing from the default generator (``fairseq_integration`` step 27)."""
+    global _deferred
+    previous, _deferred = _deferred, DeferredInitialisation()
+    try:
+        yield _deferred
+    finally:
+        _deferred = previous
+
+
+def deferred_initialisation() -> Optional[DeferredInitialisation]:
+    """The queue of the enclosing :func:`initialisation_deferred`, or None
+    (for modules that initialise other than through :func:`init_shard_`)."""
+    return _deferred
+
+
 def init_shard_(
     shard: torch.Tensor,
     full_shape,
@@ -74,13 +143,19 @@ def init_shard_(
     init_method: Callable[[torch.Tensor], None],
 ) -> None:
     """Fill ``shard`` with this rank's slice of a master tensor of ``full_shape``
-    initialised by ``init_method`` (in fp32, then cast); with NaN within
-    :func:`initialisation_skipped`."""
-    if _initialisation_skipped:
+    initialised by ``init_method`` (in fp32 on the CPU, then cast); with NaN
+    within :func:`initialisation_skipped`, and within
+    :func:`initialisation_deferred` until its queue runs."""
+    def draw() -> None:
+        full = torch.empty(full_shape, dtype=torch.float32)
+        init_method(full)
+        with torch.no_grad():
+            shard.copy_(shard_of(full, dim, rank, world_size))
+
+    if _initialisation_skipped or _deferred is not None:
         with torch.no_grad():
             shard.fill_(float("nan"))
+        if _deferred is not None and not _initialisation_skipped:
+            _deferred.add(draw)
         return
-    full = torch.empty(full_shape, dtype=torch.float32)
-    init_method(full)
-    with torch.no_grad():
-        shard.copy_(shard_of(full, dim, rank, world_size))
+    draw()

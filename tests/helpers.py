@@ -4,6 +4,8 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
+import time
 import traceback
 from argparse import Namespace
 
@@ -137,16 +139,65 @@ ENV = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
 def fairseq(tool, args, nproc=None, check=True, timeout=300, stdin=None, cwd=None):
     """Run ``fairseq_cli.<tool>`` (or the module ``tool`` when its name has a
     dot) under torchrun with ``nproc`` processes, ``stdin`` as its standard
-    input, in directory ``cwd``; return (rc, output)."""
+    input, in directory ``cwd``; return (rc, output). With ``check`` the run
+    must succeed; without, the ranks run as in :func:`_ranks_to_their_end`."""
     cmd = [sys.executable]
+    module = ["-m", tool if "." in tool else f"fairseq_cli.{tool}"] + args
+    if nproc and not check:
+        return _ranks_to_their_end(cmd + module, nproc, timeout, stdin, cwd)
     if nproc:
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd += ["-m", tool if "." in tool else f"fairseq_cli.{tool}"] + args
+    cmd += module
     proc = subprocess.run(cmd, input=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
                           timeout=timeout, cwd=cwd)
     if check:
         assert proc.returncode == 0, proc.stdout[-4000:]
     return proc.returncode, proc.stdout
+
+
+def _ranks_to_their_end(cmd, nproc, timeout, stdin, cwd):
+    """``cmd`` as ``nproc`` ranks with torchrun's environment (what fairseq
+    and the plugin read to join them), each run until it exits by itself:
+    (the first non-zero exit status or 0, the ranks' outputs one after the
+    other). For runs expected to fail: torchrun stops the other ranks at the
+    first one's error exit, and the tests that check each rank's own error
+    line raced it (on 2 cores with two pytest workers one rank can lag the
+    other by seconds). Error lines carry torch's ``[rankN]:`` prefix as under
+    torchrun (its excepthook, installed with the process group)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
+               LOCAL_WORLD_SIZE=str(nproc))
+    # Outputs to files, not pipes: a rank blocked on a full pipe that nobody
+    # reads yet would stall the collectives of the others.
+    outputs = [tempfile.TemporaryFile("w+") for _ in range(nproc)]
+    procs = []
+    try:
+        for rank, output in enumerate(outputs):
+            procs.append(subprocess.Popen(
+                cmd, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL, stdout=output,
+                stderr=subprocess.STDOUT, text=True, cwd=cwd, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
+            if stdin is not None:
+                procs[-1].stdin.write(stdin)
+                procs[-1].stdin.close()
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = []
+    for output in outputs:
+        output.seek(0)
+        text.append(output.read())
+        output.close()
+    rc = next((proc.returncode for proc in procs if proc.returncode != 0), 0)
+    return rc, "".join(text)
 
 
 # ---------------------------------------------------------------- fairseq's trainer

@@ -378,9 +378,8 @@ def training_draws_initial_weights_only_without_a_checkpoint() -> None:
         with initialisation_deferred() as deferred:
             model = original_build(cfg, task, *args, **kwargs)
         if deferred.generator_moved():  # another module drew: deferred draws would come out of order
-            del model
-            deferred.drop()  # and its references to the parameters, before the second build
             torch.set_rng_state(deferred.generator_state)
+            del model, deferred  # and the queue's references to its parameters, before the second build
             return original_build(cfg, task, *args, **kwargs)
         model.deferred_initialisation = deferred
         return model

@@ -368,13 +368,10 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         strict load fills every parameter (or raises), so the draws are
         dropped; before a non-strict one they run, as the parameters the
         state dict lacks keep their initial values."""
-        deferred = self.deferred_initialisation
-        if deferred is not None and not strict:
+        if not strict:
             self.run_deferred_initialisation()
         result = super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
-        if deferred is not None and strict:
-            deferred.drop()
-            self.deferred_initialisation = None
+        self.deferred_initialisation = None  # strict: every parameter was filled
         return result
 
     def run_deferred_initialisation(self) -> bool:
@@ -516,11 +513,8 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
             # generator's sequence, so the layers after it get their weights.
             shape = (embed_tokens.weight.shape[1], embed_tokens.weight.shape[0])
             linear = nn.Linear
-            deferred = sharding.deferred_initialisation()
-            if sharding.initialisation_is_skipped() or deferred is not None:
+            if sharding.draw_later(functools.partial(nn.Linear, *shape, bias=False)):
                 linear = functools.partial(torch.nn.utils.skip_init, nn.Linear)
-            if deferred is not None and not sharding.initialisation_is_skipped():
-                deferred.add(functools.partial(nn.Linear, *shape, bias=False))
             self.output_projection = linear(*shape, bias=False)
             self.output_projection.weight = embed_tokens.weight
         else:

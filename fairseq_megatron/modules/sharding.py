@@ -63,10 +63,6 @@ def initialisation_skipped() -> Iterator[None]:
         _initialisation_skipped = previous
 
 
-def initialisation_is_skipped() -> bool:
-    """Whether this is within :func:`initialisation_skipped` (for modules
-    that initialise other than through :func:`init_shard_`)."""
-    return _initialisation_skipped
 
 
 class DeferredInitialisation:
@@ -106,11 +102,6 @@ class DeferredInitialisation:
             initialise()
         self._pending.clear()
 
-    def drop(self) -> None:
-        """Forget the queued initialisations (a checkpoint filled the
-        parameters); the references to them go with them."""
-        self._pending.clear()
-
 
 _deferred: Optional[DeferredInitialisation] = None
 
@@ -129,9 +120,18 @@ def initialisation_deferred() -> Iterator[DeferredInitialisation]:
 
 
 def deferred_initialisation() -> Optional[DeferredInitialisation]:
-    """The queue of the enclosing :func:`initialisation_deferred`, or None
-    (for modules that initialise other than through :func:`init_shard_`)."""
+    """The queue of the enclosing :func:`initialisation_deferred`, or None."""
     return _deferred
+
+
+def draw_later(draw: Callable[[], object]) -> bool:
+    """Whether an initialisation must not draw now: within
+    :func:`initialisation_skipped` (``draw`` is dropped) or
+    :func:`initialisation_deferred` (``draw`` is queued). For
+    :func:`init_shard_` and modules that initialise other than through it."""
+    if _deferred is not None and not _initialisation_skipped:
+        _deferred.add(draw)
+    return _initialisation_skipped or _deferred is not None
 
 
 def init_shard_(
@@ -152,10 +152,8 @@ def init_shard_(
         with torch.no_grad():
             shard.copy_(shard_of(full, dim, rank, world_size))
 
-    if _initialisation_skipped or _deferred is not None:
+    if draw_later(draw):
         with torch.no_grad():
             shard.fill_(float("nan"))
-        if _deferred is not None and not _initialisation_skipped:
-            _deferred.add(draw)
-        return
-    draw()
+    else:
+        draw()

@@ -2,6 +2,7 @@
 
 import os
 import pickle
+import socket
 import subprocess
 import sys
 import tempfile
@@ -155,6 +156,13 @@ def fairseq(tool, args, nproc=None, check=True, timeout=300, stdin=None, cwd=Non
     return proc.returncode, proc.stdout
 
 
+def free_port() -> int:
+    """A TCP port on this machine that no process listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _ranks_to_their_end(cmd, nproc, timeout, stdin, cwd):
     """``cmd`` as ``nproc`` ranks with torchrun's environment (what fairseq
     and the plugin read to join them), each run until it exits by itself:
@@ -164,12 +172,7 @@ def _ranks_to_their_end(cmd, nproc, timeout, stdin, cwd):
     line raced it (on 2 cores with two pytest workers one rank can lag the
     other by seconds). Error lines carry torch's ``[rankN]:`` prefix as under
     torchrun (its excepthook, installed with the process group)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
+    env = dict(ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc),
                LOCAL_WORLD_SIZE=str(nproc))
     # Outputs to files, not pipes: a rank blocked on a full pipe that nobody
     # reads yet would stall the collectives of the others.

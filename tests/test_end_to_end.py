@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from fairseq.data import Dictionary, data_utils
 from fairseq_megatron import USER_DIR
 from fairseq_megatron.checkpoint_resharding import export_to_fairseq, reshard
 from fairseq_megatron.cli import reshard_checkpoint
-from tests.helpers import ENV, fairseq
+from tests.helpers import ENV, fairseq, free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -606,13 +605,6 @@ def test_hub_interface_in_a_world_of_2(trained, tmp_path, model_parallel_size):
     assert all(l.startswith("size=2 ") and l.split(": ", 1)[1].startswith("return the") for l in rank0)
 
 
-def _free_port() -> int:
-    """A TCP port on this machine that no process listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_fairseq_spawning_its_processes(trained, tmp_path):
     """Without torchrun fairseq starts the processes itself
     (``torch.multiprocessing.spawn``), as ``fairseq-train
@@ -631,7 +623,7 @@ def test_fairseq_spawning_its_processes(trained, tmp_path):
     process reports their exit."""
     def launch(world_size=2):
         return ["--distributed-world-size", str(world_size), "--distributed-init-method",
-                f"tcp://127.0.0.1:{_free_port()}", "--distributed-backend", "gloo"]
+                f"tcp://127.0.0.1:{free_port()}", "--distributed-backend", "gloo"]
 
     _, log = fairseq("train", train_args(trained["data"], str(tmp_path / "spawned"), max_update=4) + launch())
     assert "training on 2 devices" in log and "torch.distributed.run" not in log, log[-3000:]
@@ -686,7 +678,7 @@ def _under_slurm(tmp_path, args, nodes, tasks_per_node):
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")  # fairseq runs: scontrol show hostnames
     (bin_dir / "scontrol").chmod(0o755)
-    port = _free_port()
+    port = free_port()
     tasks, logs = [], []
     for node in range(nodes):
         for local in range(tasks_per_node):

@@ -476,6 +476,9 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
            "holds no training state")
     assert run("--model-parallel-size", "1", "--dict", path) == (
         1, "error: --dict is read only with --to-fairseq: resharding keeps every vocabulary row")
+    assert run("--to-fairseq", "--model-parallel-size", "2") == (  # was: exit 0, the size ignored
+        1, "error: --to-fairseq writes one checkpoint for fairseq's transformer_lm: --model-parallel-size 2 "
+           "cannot apply to it")
     assert not out.exists() or not os.listdir(out), "a failed run left files behind"
 
     # an output that is a directory is refused before any work, whole or one of the part names
@@ -486,6 +489,15 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert run("--model-parallel-size", "2") == (1, f"error: the output {part_path(str(out / 'm.pt'), 1)} is a directory")
     assert sorted(os.listdir(out)) == ["m-model_part-1.pt"], "a refused run wrote a file"
     os.rmdir(part_path(str(out / "m.pt"), 1))
+    # a file where the output's directory should be: os.makedirs said only "[Errno 17] File exists"
+    in_the_way = tmp_path / "in_the_way"
+    in_the_way.write_text("keep me\n")
+    for argv in (["--model-parallel-size", "2"], ["--to-fairseq"]):
+        rc = reshard_checkpoint.main(["--input", path, "--output", str(in_the_way / "sub" / "m.pt"), *argv])
+        assert (rc, capsys.readouterr().err.strip()) == (
+            1, f"error: cannot write the output {in_the_way / 'sub' / 'm.pt'}: {in_the_way} is a file, "
+               "not a directory")
+    assert in_the_way.read_text() == "keep me\n"
 
     with pytest.raises(CheckpointError, match="refusing to overwrite"):
         reshard(path, path, 2)

@@ -80,6 +80,9 @@ def main(argv=None) -> int:
                              "is for evaluation and holds no training state")
         if args.dict is not None and not args.to_fairseq:
             raise UsageError("--dict is read only with --to-fairseq: resharding keeps every vocabulary row")
+        if args.to_fairseq and args.model_parallel_size not in (None, 1):
+            raise UsageError(f"--to-fairseq writes one checkpoint for fairseq's transformer_lm: "
+                             f"--model-parallel-size {args.model_parallel_size} cannot apply to it")
         if args.to_fairseq:
             parts = PartFiles(args.input)
             vocab = export_vocabulary_size(parts, args.dict)

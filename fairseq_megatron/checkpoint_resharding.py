@@ -43,6 +43,7 @@ from fairseq_megatron.checkpoint_layout import (
     slice_for_part,
     tied_keys,
 )
+from fairseq_megatron.errors import check_directory_can_be_made
 
 PART_SUFFIX = "-model_part-{}"
 EMBED_KEYS = ("decoder.embed_tokens.weight", "decoder.output_projection.weight")
@@ -144,14 +145,10 @@ def check_output_name(output_path: str, outputs: List[str]) -> None:
     a directory (checked before any work, not found at the final rename), or
     where checkpoint files other than ``outputs`` (the files of one size)
     exist under the name ``output_path``: writing would leave two sizes under
-    one name, which :func:`find_part_files` refuses to choose between; or
-    where a file stands in the output's directory path (``os.makedirs``
-    would fail there with a bare "File exists")."""
-    parent = os.path.dirname(os.path.abspath(output_path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise CheckpointError(f"cannot write the output {output_path}: {parent} is a file, not a directory")
+    one name, which :func:`find_part_files` refuses to choose between; a
+    UsageError where a file stands in the output's directory path (see
+    :func:`check_directory_can_be_made`)."""
+    check_directory_can_be_made(os.path.dirname(os.path.abspath(output_path)), f"cannot write the output {output_path}")
     for o in [output_path, *outputs]:
         if os.path.isdir(o):
             such_as = f": name a file in it, such as {os.path.join(o, 'model.pt')}" if o == output_path else ""

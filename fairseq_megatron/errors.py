@@ -15,8 +15,29 @@ reverse) is treated the same, whoever raised it. Set
 bugs, or fairseq's, and keep Python's traceback.
 """
 
+import os
+
 
 class UsageError(ValueError):
     """Bad input or a bad launch, with a message that says what to change.
 
     A ValueError, so callers that caught ValueError still do."""
+
+
+def check_directory_can_be_made(directory: str, what: str) -> None:
+    """Raise UsageError where a file stands at ``directory`` or at one of its
+    ancestors, so that it can be neither made nor written into: "``what``:
+    ``<file>`` is a file, not a directory". ``os.makedirs`` would fail there
+    with a bare "[Errno 17] File exists" (or fairseq's probe of its save dir
+    with "Not a directory: '<dir>/dummy'"), naming neither the option nor the
+    file in the way. A directory that is missing is fine: it is made later.
+    ``what`` names the option or the output, e.g. ``"--save-dir ckpt"``.
+
+    Raises:
+        UsageError: as above.
+    """
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing):  # ends at the file system's root at the latest
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"{what}: {existing} is a file, not a directory")

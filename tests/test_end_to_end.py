@@ -525,6 +525,13 @@ def test_fairseq_generate_over_data_parallel_groups(trained, tmp_path):
     rc, log = fairseq("generate", bad, check=False)
     assert rc == 1 and "no_such" in log.splitlines()[-1], log[-3000:]
     assert os.listdir(failed) == ["generate-test.txt"] and (failed / "generate-test.txt").read_text() == one_group
+    # a file where the results directory should be: one line before the model loads (it was
+    # os.makedirs' traceback, "File exists", once everything had been generated)
+    rc, log = fairseq("generate", args + ["--results-path", str(failed / "generate-test.txt" / "sub")], check=False)
+    assert rc == 1 and log.rstrip().splitlines()[-1] == (
+        f"error: --results-path {failed / 'generate-test.txt' / 'sub'}: {failed / 'generate-test.txt'} is a file, "
+        "not a directory"), log[-3000:]
+    assert "loading model" not in log and (failed / "generate-test.txt").read_text() == one_group
 
     # size 1: one process, torchrun with 2, fairseq's own spawn of 2 (no init method given)
     _, single = fairseq("generate", args)
@@ -986,8 +993,8 @@ def test_refused_options_stop_fairseq_train_before_it_writes(trained, tmp_path):
     command line (the architecture function checks them), so nothing is
     written: before, fairseq created --save-dir and only building the model
     refused them. So is --fp16 on CPU, at the start of fairseq-train's main
-    (it failed in fairseq's FP16 optimizer). One process, and two under
-    torchrun, each rank saying it."""
+    (it failed in fairseq's FP16 optimizer), and a --save-dir that is a
+    file. One process, and two under torchrun, each rank saying it."""
     save_dir = tmp_path / "never"
     args = train_args(trained["data"], str(save_dir), max_update=1)
     args[args.index("--model-parallel-size") + 1] = "1"
@@ -999,6 +1006,14 @@ def test_refused_options_stop_fairseq_train_before_it_writes(trained, tmp_path):
     rc, out = fairseq("train", args + ["--fp16"], check=False)  # checked before main writes (step 24)
     assert rc == 1 and out.rstrip().splitlines()[-1].startswith("error: --fp16 needs a CUDA GPU"), out[-3000:]
     assert not save_dir.exists()
+    # a file where --save-dir should be (fairseq's probe said "Not a directory: '<save-dir>/dummy'")
+    save_file = tmp_path / "a_file"
+    save_file.write_text("keep me\n")
+    save_at = args.index("--save-dir") + 1
+    rc, out = fairseq("train", args[:save_at] + [str(save_file)] + args[save_at + 1:], check=False)
+    assert rc == 1 and out.rstrip().splitlines()[-1] == (
+        f"error: --save-dir {save_file}: {save_file} is a file, not a directory"), out[-3000:]
+    assert save_file.read_text() == "keep me\n"
     args = train_args(trained["data"], str(save_dir), max_update=1) + ["--decoder-attention-heads", "3",
                                                                         "--decoder-embed-dim", "48"]
     rc, out = fairseq("train", args, nproc=2, check=False)

@@ -56,7 +56,8 @@ def model_parallel_generate() -> None:
     round by round of batches, and rank 0 prints it once, as it comes, in
     the order of a run in one process, with one score line; a
     ``--results-path`` file is always written whole, under a temporary name
-    first. fairseq-interactive already starts torch.distributed; it
+    first, and a ``--results-path`` with a file in its path is one error
+    line before the model loads (it was a traceback after generating). fairseq-interactive already starts torch.distributed; it
     only gets the printing rule.
     """
     import contextlib
@@ -66,6 +67,7 @@ def model_parallel_generate() -> None:
     from fairseq.distributed import utils as dist_utils
 
     from fairseq_megatron import generate, parallel_state
+    from fairseq_megatron.errors import check_directory_can_be_made
 
     launching = contextvars.ContextVar("launching_fairseq_generate", default=False)
 
@@ -73,6 +75,9 @@ def model_parallel_generate() -> None:
         def main(cfg):
             if not hasattr(cfg, "common_eval"):  # an argparse Namespace
                 cfg = convert_namespace_to_omegaconf(cfg)
+            if cfg.common_eval.results_path is not None:  # before the model is loaded, or processes spawned
+                check_directory_can_be_made(cfg.common_eval.results_path,
+                                            f"--results-path {cfg.common_eval.results_path}")
             if not dist.is_initialized() and not launching.get():
                 # call_main runs module.main (this function) in each process it
                 # starts, or here with the world size 1

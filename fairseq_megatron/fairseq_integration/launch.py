@@ -40,7 +40,9 @@ and the checks fairseq-train makes before it writes anything (steps 3, 7,
    left an empty save dir behind; ``--bf16`` without torch_xla and
    ``--fp16`` on CPU failed with tracebacks after building it. ``main`` now
    checks them first, for our architectures (the model's option checks already run while fairseq
-   parses the command line). The refusals that need the task or a
+   parses the command line), and for any model a ``--save-dir`` with a
+   file in its path (fairseq's probe said only "Not a directory:
+   '<save-dir>/dummy'"). The refusals that need the task or a
    checkpoint (a dict.txt other than the checkpoint's, training samples
    all longer than the model's positions) come after ``main`` made
    the directory; a run that fails removes the directories it made if they
@@ -234,6 +236,7 @@ def launch_checked_before_fairseq_train_writes() -> None:
     from fairseq import distributed_utils
 
     from fairseq_megatron import parallel_state
+    from fairseq_megatron.errors import check_directory_can_be_made
     from fairseq_megatron.models.model_parallel_transformer_lm import (
         check_data_parallel_backend,
         check_processes,
@@ -243,6 +246,7 @@ def launch_checked_before_fairseq_train_writes() -> None:
 
     def wrap_train(original_main, module):
         def main(cfg, **kwargs):
+            check_directory_can_be_made(cfg.checkpoint.save_dir, f"--save-dir {cfg.checkpoint.save_dir}")
             # fairseq_cli.train: "arch" in the parsed namespace, "_name" in a Hydra config
             arch = getattr(cfg.model, "_name", None) or getattr(cfg.model, "arch", None)
             if is_model_parallel_arch(arch):

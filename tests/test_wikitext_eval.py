@@ -147,22 +147,28 @@ def test_bpe_cli_drops_empty_lines_like_fairseq(gpt2_files, tmp_path):
 
 def test_detok_and_bpe_clis_refuse_bad_files_and_outputs_in_one_line(gpt2_files, tmp_path, capsys):
     """An output in a directory that does not exist was a traceback after
-    the work (detok); a malformed encoder.json or vocab.bpe was a bare JSON
+    the work (detok), and an output that is a directory an error after it;
+    a malformed encoder.json or vocab.bpe was a bare JSON
     message or a KeyError traceback. Each is now one line naming the file,
     before any output is written."""
     encoder_json, vocab_bpe, _ = gpt2_files
     src = tmp_path / "in.txt"
     src.write_text("\n".join(RAW) + "\n", encoding="utf-8")
     missing = tmp_path / "missing" / "out.txt"
-    for main, argv, flag in [
-        (detok.main, [str(src), "--output", str(missing)], "--output"),
-        (bpe_encode.main, ["--encoder-json", encoder_json, "--vocab-bpe", vocab_bpe, "--inputs", str(src),
-                           "--outputs", str(missing)], "--outputs"),
-    ]:
-        with pytest.raises(SystemExit) as exited:
-            main(argv)
-        assert exited.value.code == 2
-        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {flag} {missing}: no such directory")
+    a_directory = tmp_path / "a_directory"  # was found at the final rename, after the work
+    a_directory.mkdir()
+    for output, said in [(missing, f"{missing}: no such directory"),
+                         (a_directory, f"{a_directory} is a directory: name a file in it")]:
+        for main, argv, flag in [
+            (detok.main, [str(src), "--output", str(output)], "--output"),
+            (bpe_encode.main, ["--encoder-json", encoder_json, "--vocab-bpe", vocab_bpe, "--inputs", str(src),
+                               "--outputs", str(output)], "--outputs"),
+        ]:
+            with pytest.raises(SystemExit) as exited:
+                main(argv)
+            assert exited.value.code == 2
+            assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {flag} {said}")
+    assert os.listdir(a_directory) == [] and sorted(os.listdir(tmp_path)) == ["a_directory", "in.txt"]
 
     not_json, a_list, bad_merge = tmp_path / "e.txt", tmp_path / "list.json", tmp_path / "vocab.bpe"
     not_json.write_text("Ġt 1\n")

@@ -16,12 +16,12 @@ of them (as fairseq's encoder does). The byte-pair merges run in tiktoken
 import argparse
 import contextlib
 import json
-import os
 import sys
 import time
 from typing import Dict, List, Sequence
 
 import tiktoken
+from output_files import check_output, write_whole
 
 # GPT-2's pre-tokenizer (fairseq gpt2_bpe_utils.Encoder.pat), in tiktoken's syntax.
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -132,14 +132,7 @@ def encode_files(bpe: GPT2BPE, inputs: Sequence[str], outputs: Sequence[str], ke
         if out == "-":
             sys.stdout.write(text)
             continue
-        try:
-            with open(out + ".tmp", "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(out + ".tmp", out)
-        except OSError:  # a full disk, say: no half-written file stays
-            if os.path.exists(out + ".tmp"):
-                os.remove(out + ".tmp")
-            raise
+        write_whole(out, text)
     return {"lines": len(keep), "tokens": sum(len(ids) for ids in encoded[0]), "bytes": n_bytes,
             "seconds": seconds, "mb_per_s": n_bytes / 1e6 / max(seconds, 1e-9)}
 
@@ -160,8 +153,8 @@ def main(argv=None) -> int:
     if args.workers < 1:
         parser.error("--workers must be at least 1")
     for out in args.outputs:
-        if out != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
-            parser.error(f"--outputs {out}: no such directory")  # before the encoding, not after
+        if out != "-":
+            check_output(parser, "--outputs", out)
     try:
         bpe = GPT2BPE(args.encoder_json, args.vocab_bpe)
         stats = encode_files(bpe, args.inputs, args.outputs, args.keep_empty, args.workers)

@@ -15,12 +15,12 @@ the output has exactly one line per input line.
 import argparse
 import fileinput
 import functools
-import os
 import sys
 from multiprocessing import Pool
 from typing import Iterable, List
 
 import sacremoses
+from output_files import check_output, write_whole
 from tqdm import tqdm
 
 REPLACEMENTS = ((" @", ""), ("@ ", ""), (" =", "="), ("= ", "="), (" – ", "–"))
@@ -60,8 +60,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
-    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
-        parser.error(f"--output {args.output}: no such directory")  # before the work, not after
+    if args.output:
+        check_output(parser, "--output", args.output)
     try:
         lines = detokenize_lines(read_lines(args.files), args.workers, progress=sys.stderr.isatty())
     except (OSError, UnicodeDecodeError) as e:
@@ -69,14 +69,9 @@ def main(argv=None) -> int:
         return 1
     text = "".join(l + "\n" for l in lines)
     if args.output:
-        tmp = args.output + ".tmp"
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, args.output)
-        except OSError as e:  # a full disk, say: no half-written file stays
-            if os.path.exists(tmp):
-                os.remove(tmp)
+            write_whole(args.output, text)
+        except OSError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
     else:

@@ -13,6 +13,10 @@ imports the package sees the exception as usual. A path that names nothing
 reverse) is treated the same, whoever raised it. Set
 ``FAIRSEQ_MEGATRON_TRACEBACK=1`` to see the traceback. Other exceptions are
 bugs, or fairseq's, and keep Python's traceback.
+
+:func:`check_directory_can_be_made` raises it for an output directory
+(``--save-dir``, ``--results-path``, a resharding output's) that a file
+stands in the way of.
 """
 
 import os

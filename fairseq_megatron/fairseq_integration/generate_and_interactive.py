@@ -57,8 +57,9 @@ def model_parallel_generate() -> None:
     the order of a run in one process, with one score line; a
     ``--results-path`` file is always written whole, under a temporary name
     first, and a ``--results-path`` with a file in its path is one error
-    line before the model loads (it was a traceback after generating). fairseq-interactive already starts torch.distributed; it
-    only gets the printing rule.
+    line before the model loads (it was a traceback after generating).
+    fairseq-interactive already starts torch.distributed; it only gets the
+    printing rule.
     """
     import contextlib
 

@@ -23,8 +23,10 @@ demo: install
 
 # Two pytest workers: most tests wait on process start-up (each fairseq command
 # imports torch and fairseq afresh), so two overlap well even on 2 cores
-# (1042 s -> 852 s there). A fixed count, not -n auto: each worker's tests
-# start up to 4 processes of their own.
+# (1042 s -> 852 s there). A third gains nothing: the two keep both cores busy
+# (91% user+sys in vmstat; 1334 s with two, 1358 s with three, 2026-11-25).
+# A fixed count, not -n auto: each worker's tests start up to 4 processes of
+# their own.
 test: install
 	$(PY) -m pytest -q -n 2
 

@@ -993,8 +993,9 @@ def test_refused_options_stop_fairseq_train_before_it_writes(trained, tmp_path):
     command line (the architecture function checks them), so nothing is
     written: before, fairseq created --save-dir and only building the model
     refused them. So is --fp16 on CPU, at the start of fairseq-train's main
-    (it failed in fairseq's FP16 optimizer), and a --save-dir that is a
-    file. One process, and two under torchrun, each rank saying it."""
+    (it failed in fairseq's FP16 optimizer), a --save-dir that is a file,
+    and --model-parallel-size 0 (in any tool). One process, and two under
+    torchrun, each rank saying it."""
     save_dir = tmp_path / "never"
     args = train_args(trained["data"], str(save_dir), max_update=1)
     args[args.index("--model-parallel-size") + 1] = "1"
@@ -1014,6 +1015,11 @@ def test_refused_options_stop_fairseq_train_before_it_writes(trained, tmp_path):
     assert rc == 1 and out.rstrip().splitlines()[-1] == (
         f"error: --save-dir {save_file}: {save_file} is a file, not a directory"), out[-3000:]
     assert save_file.read_text() == "keep me\n"
+    args[args.index("--model-parallel-size") + 1] = "0"  # it trained as size 1
+    rc, out = fairseq("train", args, check=False)
+    assert rc == 1 and out.rstrip().splitlines()[-1] == (
+        "error: --model-parallel-size 0: the number of model parts is at least 1"), out[-3000:]
+    assert not save_dir.exists()
     args = train_args(trained["data"], str(save_dir), max_update=1) + ["--decoder-attention-heads", "3",
                                                                         "--decoder-embed-dim", "48"]
     rc, out = fairseq("train", args, nproc=2, check=False)
@@ -1021,6 +1027,11 @@ def test_refused_options_stop_fairseq_train_before_it_writes(trained, tmp_path):
     said = "error: --decoder-attention-heads 3 is not divisible by --model-parallel-size 2"
     assert out.splitlines().count(said) == 2, out[-3000:]  # one line per process
     assert not save_dir.exists()
+    # any tool's distributed start refuses a size below 1 (fairseq-eval-lm scored as size 1)
+    path = os.path.join(trained["ckpt"], "checkpoint_last.pt")
+    rc, out = fairseq("eval_lm", eval_args(trained["data"], path, 0), nproc=2, check=False)
+    said = "error: --model-parallel-size 0: the number of model parts is at least 1"
+    assert rc == 1 and out.splitlines().count(said) == 2, out[-3000:]
 
 
 def _per_update(log, key):

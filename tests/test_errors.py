@@ -121,6 +121,11 @@ def test_model_parallel_size_without_distributed_init():
             "--model-parallel-size 2 needs 2 processes, one per model part, and this run is one process: "
             "launch it with torchrun --nproc_per_node 2")):
         build_model(2)
+    # fairseq ran 0 as size 1, and -1 failed on the group size only in a build
+    for size in (0, -1):
+        with pytest.raises(UsageError, match=re.escape(
+                f"--model-parallel-size {size}: the number of model parts is at least 1")):
+            build_model(size)
 
 
 def test_training_precisions_that_fail_on_this_machine_are_refused(monkeypatch):

@@ -115,8 +115,12 @@ def check_processes(model_parallel_size: int, processes: int) -> None:
     (:func:`fairseq_megatron.parallel_state.initialize_model_parallel`).
 
     Raises:
-        UsageError: ``model_parallel_size`` > 1 and ``processes`` == 1.
+        UsageError: ``model_parallel_size`` < 1 (fairseq ran 0 or a negative
+            size as size 1, or failed later on a group size that differs), or
+            > 1 and ``processes`` == 1.
     """
+    if model_parallel_size < 1:
+        raise UsageError(f"--model-parallel-size {model_parallel_size}: the number of model parts is at least 1")
     if model_parallel_size > 1 and processes == 1:
         raise UsageError(
             f"--model-parallel-size {model_parallel_size} needs {model_parallel_size} processes, one per model "
@@ -322,7 +326,8 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
     def build_model(cls, args, task):
         base_lm_architecture(args)
         group_size = parallel_state.get_tensor_model_parallel_world_size()
-        wanted = int(safe_getattr(args, "model_parallel_size", 1) or 1)
+        wanted = safe_getattr(args, "model_parallel_size", None)
+        wanted = 1 if wanted is None else int(wanted)
         check_processes(wanted, parallel_state.world_size(None))
         if wanted != group_size:
             raise UsageError(

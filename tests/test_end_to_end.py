@@ -526,7 +526,8 @@ def test_fairseq_generate_over_data_parallel_groups(trained, tmp_path):
     assert rc == 1 and "no_such" in log.splitlines()[-1], log[-3000:]
     assert os.listdir(failed) == ["generate-test.txt"] and (failed / "generate-test.txt").read_text() == one_group
     # a file where the results directory should be: one line before the model loads (it was
-    # os.makedirs' traceback, "File exists", once everything had been generated)
+    # "[Errno 20] Not a directory" once everything had been generated; with the file itself as
+    # --results-path, os.makedirs' traceback, "File exists")
     rc, log = fairseq("generate", args + ["--results-path", str(failed / "generate-test.txt" / "sub")], check=False)
     assert rc == 1 and log.rstrip().splitlines()[-1] == (
         f"error: --results-path {failed / 'generate-test.txt' / 'sub'}: {failed / 'generate-test.txt'} is a file, "

@@ -182,8 +182,9 @@ def data_parallel_only() -> None:
     def distributed_init(cfg):
         from fairseq_megatron.models.model_parallel_transformer_lm import check_processes
 
-        common = cfg.common if hasattr(cfg, "common") else cfg  # a FairseqConfig, or fairseq's Namespace
-        check_processes(common.model_parallel_size, 2)  # a size below 1 ran as size 1 in every tool
+        # a FairseqConfig, or fairseq's flat Namespace; a size below 1 ran as size 1 in every tool
+        common, launch = (cfg.common, cfg.distributed_training) if hasattr(cfg, "common") else (cfg, cfg)
+        check_processes(common.model_parallel_size, launch.distributed_world_size)
         rank = original(cfg)  # creates the groups itself when --model-parallel-size > 1
         if dist.is_initialized() and not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(1)

@@ -63,8 +63,6 @@ def initialisation_skipped() -> Iterator[None]:
         _initialisation_skipped = previous
 
 
-
-
 class DeferredInitialisation:
     """The initialisations left out of a build within
     :func:`initialisation_deferred`, in the order they were due, and the

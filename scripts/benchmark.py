@@ -239,32 +239,79 @@ def run_child(result_file: str, train_argv) -> None:
 def _profile_steps(path: str, first: int = 30, count: int = 5) -> None:
     """Profile ``count`` training steps after ``first`` with torch.profiler and
     write the kernel table (sorted by device time) to ``path`` (rank 0)."""
-    import torch
     from fairseq.trainer import Trainer
 
-    original, seen, prof = Trainer.train_step, [0], []
+    original, seen, profiler = Trainer.train_step, [0], _StepProfiler(path, count)
 
     def train_step(self, *a, **k):
         seen[0] += 1
         if seen[0] == first:
-            stacks = bool(os.environ.get("FAIRSEQ_MEGATRON_PROFILE_STACKS"))
-            prof.append(torch.profiler.profile(with_stack=stacks, activities=[torch.profiler.ProfilerActivity.CPU,
-                                                           torch.profiler.ProfilerActivity.CUDA]))
-            prof[0].__enter__()
+            profiler.start()
         out = original(self, *a, **k)
-        if seen[0] == first + count - 1 and prof:
-            torch.cuda.synchronize()
-            prof[0].__exit__(None, None, None)
-            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-                with open(path, "w") as f:
-                    f.write(json.dumps(gpu_busy_summary(prof[0], count)) + "\n\n")
-                    f.write(prof[0].key_averages().table(sort_by="self_device_time_total", row_limit=70))
-                    f.write("\n\nby host time\n")
-                    f.write(prof[0].key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
-                prof[0].export_chrome_trace(os.path.splitext(path)[0] + ".trace.json")
+        if seen[0] == first + count - 1:
+            profiler.stop()
         return out
 
     Trainer.train_step = train_step
+
+
+def profile_optimizer_steps(path: str, first: int = 3, count: int = 3) -> None:
+    """The same table for a plain training loop with ``torch.optim.AdamW``
+    (the compiled minimal GPT): steps ``first`` .. ``first + count - 1``,
+    each from the end of the previous ``AdamW.step`` to the end of its own;
+    with ``first`` = 3 these are warm-up steps of the anchor, outside its
+    timed ones."""
+    import torch
+
+    original, seen, profiler = torch.optim.AdamW.step, [0], _StepProfiler(path, count)
+
+    def step(self, *a, **k):
+        out = original(self, *a, **k)
+        seen[0] += 1
+        if seen[0] == first - 1:
+            profiler.start()
+        elif seen[0] == first + count - 1:
+            profiler.stop()
+        return out
+
+    torch.optim.AdamW.step = step
+
+
+class _StepProfiler:
+    """torch.profiler over a window of ``steps`` training steps, written on
+    :meth:`stop` to ``path`` (global rank 0): :func:`gpu_busy_summary`, the
+    kernel table by device time, the host-time table, and a Chrome trace
+    beside it (``.trace.json``). ``FAIRSEQ_MEGATRON_PROFILE_STACKS=1`` adds
+    Python stacks (which slow the host several times)."""
+
+    def __init__(self, path: str, steps: int):
+        self.path, self.steps, self.profile = path, steps, None
+
+    def start(self) -> None:
+        import torch
+
+        stacks = bool(os.environ.get("FAIRSEQ_MEGATRON_PROFILE_STACKS"))
+        self.profile = torch.profiler.profile(
+            with_stack=stacks,
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+        self.profile.__enter__()
+
+    def stop(self) -> None:
+        import torch
+
+        if self.profile is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.profile.__exit__(None, None, None)
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return
+        with open(self.path, "w") as f:
+            f.write(json.dumps(gpu_busy_summary(self.profile, self.steps)) + "\n\n")
+            f.write(self.profile.key_averages().table(sort_by="self_device_time_total", row_limit=70))
+            f.write("\n\nby host time\n")
+            f.write(self.profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+        self.profile.export_chrome_trace(os.path.splitext(self.path)[0] + ".trace.json")
 
 
 def gpu_busy_summary(prof, steps: int) -> dict:
@@ -431,6 +478,7 @@ def run_eval_lm(args, impl, shape, data_dir, save_dir, use_cuda, model_parallel_
 # that loop starts. The child runs them, then bench() for one shape.
 _ANCHOR_LOOP = "\nfor c in (False, True):"
 _ANCHOR_CHILD = """
+import os
 import sys
 path, name, layers, hidden, heads, ffn, batch, seq_len = sys.argv[1:]
 source = open(path).read()
@@ -438,10 +486,16 @@ cut = source.find(%r)
 if cut < 0:
     sys.exit(f"error: {path} does not end in the loop this script expects; cannot run one shape")
 namespace = {"__name__": "sdpa_gpt_anchor"}
+profile_to = os.environ.get("FAIRSEQ_MEGATRON_PROFILE")
+if profile_to:
+    sys.path.insert(0, os.path.dirname(%r))
+    from benchmark import profile_optimizer_steps
+    root, ext = os.path.splitext(profile_to)
+    profile_optimizer_steps(f"{root}-anchor{ext}")
 exec(compile(source[:cut], path, "exec"), namespace)
 namespace["bench"](name, int(layers), int(hidden), int(heads), int(ffn), compile_=True,
                    B=int(batch), T=int(seq_len))
-""" % _ANCHOR_LOOP
+""" % (_ANCHOR_LOOP, os.path.abspath(__file__))
 ANCHOR_VOCAB = 50048  # the anchor's embedding rows, whatever the shape's vocabulary
 _ANCHOR_LINE = re.compile(
     r"compiled: ([0-9]+)M params, ([0-9.]+) tokens/s, [0-9.]+ TFLOP/s, peak mem ([0-9.]+) GiB")
@@ -520,8 +574,11 @@ def write_csv(path: str, rows) -> None:
 
 def draw_png(csv_path: str, png_path: str) -> None:
     """Tokens/s and peak memory per configuration, from every row of the CSV."""
+    import logging
+
     import matplotlib
 
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # importing fairseq set the root logger to DEBUG
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
@@ -552,6 +609,7 @@ def main(argv=None):
     p.add_argument("--model-parallel-size", type=int, default=1)
     p.add_argument("--with-fairseq", action="store_true", help="also time fairseq's own transformer_lm")
     p.add_argument("--only-fairseq", action="store_true", help="time only fairseq's transformer_lm")
+    p.add_argument("--only-anchor", action="store_true", help="time only the --with-anchor GPT")
     p.add_argument("--with-anchor", metavar="FILE",
                    help="also time the compiled minimal GPT of FILE (../shared/gpu/sdpa_gpt_anchor.py)")
     p.add_argument("--precision", choices=["fp16", "amp", "memory-efficient-fp16", "fp32", "bf16-autocast"],
@@ -625,7 +683,11 @@ def main(argv=None):
         os.makedirs(args.work_dir, exist_ok=True)
     except OSError as e:
         p.error(f"--work-dir {args.work_dir}: {e.strerror}")
+    if args.only_anchor and not args.with_anchor:
+        p.error("--only-anchor times the --with-anchor file; pass --with-anchor too")
     impls = ["fairseq"] if args.only_fairseq else (["megatron", "fairseq"] if args.with_fairseq else ["megatron"])
+    if args.only_anchor:
+        impls = []
     rows = []
     eval_lm_failed = False
     for impl in impls:

@@ -270,6 +270,38 @@ def test_compiled_layer_stack_matches_eager():
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+def test_compiled_layer_stack_backward_takes_one_gradient():
+    """The compiled stack's one output is the last layer's: its backward
+    graph takes one incoming gradient, whatever the depth. When every
+    layer's output left the region, the backward took one per layer, L - 1
+    of them zeros (a fill and, under CUDA graphs, a copy each per step). The
+    eager model's inner states are still every layer's; a compiled training
+    pass keeps the last."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model, dictionary = build_model(1, seed=0, decoder_layers=3)
+    model.decoder.compile_run_layers(backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
+    model.train()
+    tokens, target = make_batch(dictionary, pad_tail=0)
+    logits, extra = model(tokens)
+    F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1)).backward()
+    assert len(graphs) == 2, "expected one forward and one backward graph"
+    gradients_in = [n.name for n in graphs[1].graph.nodes if n.op == "placeholder" and "tangent" in n.name]
+    assert gradients_in == ["tangents_1"], gradients_in
+    assert len(extra["inner_states"]) == 1
+    model.eval()
+    with torch.no_grad():
+        _, eager_extra = model(tokens)
+    assert len(eager_extra["inner_states"]) == 4  # the input and each of the 3 layers' outputs
+
+
 def test_compile_layers_picks_the_stack_or_each_layer():
     """The whole stack at size 1; each layer under --checkpoint-activations
     (whose recompute replays RNG states outside any graph)."""

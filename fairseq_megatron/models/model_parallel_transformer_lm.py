@@ -435,6 +435,8 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
         checkpointing replays that swap; those keep per-layer compilation.
         Evaluation and incremental decoding stay eager, as in
         :func:`~fairseq_megatron.checkpoint_activations.compile_for_training`.
+        The region is :meth:`run_layers_to_last_output`: its one output is
+        the last layer's (see there why not every layer's).
 
         With ``--cuda-graphs`` (inductor only) the region is compiled in
         torch.compile's ``reduce-overhead`` mode: after warm-up and recording
@@ -451,9 +453,9 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
         """
         self._layer_stack_backend = backend
         if self.cuda_graphs and backend == "inductor":
-            self._compiled_layer_stack = torch.compile(self.run_layers, mode="reduce-overhead")
+            self._compiled_layer_stack = torch.compile(self.run_layers_to_last_output, mode="reduce-overhead")
         else:
-            self._compiled_layer_stack = torch.compile(self.run_layers, backend=backend)
+            self._compiled_layer_stack = torch.compile(self.run_layers_to_last_output, backend=backend)
 
     def __deepcopy__(self, memo):
         """A copy (fairseq's ``--store-ema``, or a user's) compiles its own layer
@@ -554,7 +556,8 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
         the output projection see the whole sequence.
 
         Returns features ``(B, T, C)`` and ``{"attn": [None], "inner_states"}``
-        (the inner states are sequence shards when sequence parallelism ran).
+        (the inner states are sequence shards when sequence parallelism ran;
+        a training pass through the compiled layer stack keeps only the last).
         """
         if encoder_out is not None:
             raise NotImplementedError("ModelParallelTransformerDecoder is decoder-only")
@@ -587,10 +590,12 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
         sequence_parallel = self._use_sequence_parallel(x, incremental_state)
         if sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, group)
-        run_layers = self.run_layers
         if self._compiled_layer_stack is not None and runs_compiled(self, incremental_state):
-            run_layers = self._compiled_layer_stack
-        x, inner_states = run_layers(x, self_attn_mask, self_attn_padding_mask, incremental_state, sequence_parallel)
+            x = self._compiled_layer_stack(x, self_attn_mask, self_attn_padding_mask, sequence_parallel)
+            inner_states = [x]
+        else:
+            x, inner_states = self.run_layers(x, self_attn_mask, self_attn_padding_mask, incremental_state,
+                                              sequence_parallel)
         if sequence_parallel:
             x = gather_from_sequence_parallel_region(x, group, to_tensor_parallel_region=False)
 
@@ -621,6 +626,18 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
             if keep_inner_states:
                 inner_states.append(x)
         return x, inner_states if keep_inner_states else [x]
+
+    def run_layers_to_last_output(self, x, self_attn_mask, self_attn_padding_mask, sequence_parallel: bool):
+        """:meth:`run_layers` for a training pass, returning the last layer's
+        output alone (``inner_states`` is then ``[x]``, as with
+        ``--offload-activations``): the region that ``--compile-layers``
+        compiles as a whole. Were every layer's output an output of the
+        compiled region, autograd would hand its backward a gradient for each
+        of them, which AOT autograd fills with zeros for those the loss does
+        not use, and CUDA graphs copy into their static inputs: L - 1
+        activation-sized zero fills and copies per step for nothing."""
+        x, _ = self.run_layers(x, self_attn_mask, self_attn_padding_mask, None, sequence_parallel)
+        return x
 
     def forward(
         self,

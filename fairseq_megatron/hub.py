@@ -20,9 +20,9 @@ import torch.distributed as dist
 from fairseq import checkpoint_utils
 from fairseq.hub_utils import GeneratorHubInterface
 
-from fairseq_megatron import parallel_state
-from fairseq_megatron.checkpoint_resharding import find_part_files
-from fairseq_megatron.rng_tracker import model_parallel_manual_seed
+from fairseq_megatron.parallel import parallel_state
+from fairseq_megatron.checkpoint.part_files import find_part_files
+from fairseq_megatron.parallel.rng_tracker import model_parallel_manual_seed
 
 
 def init_distributed_from_env() -> None:
@@ -74,7 +74,7 @@ def from_pretrained(
         CheckpointError: parts missing or from different checkpoints, or a
             size that does not divide the model (a checkpoint saved at another
             size is resharded in memory as it loads; see
-            :func:`fairseq_megatron.checkpoint_resharding.resharded_model`).
+            :func:`fairseq_megatron.checkpoint.resharding.resharded_model`).
     """
     init_distributed_from_env()
     world = parallel_state.world_size(None)

@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_reshard import model_shapes  # noqa: E402
 
-from fairseq_megatron.checkpoint_resharding import save_verified  # noqa: E402
+from fairseq_megatron.checkpoint.resharding import save_verified# noqa: E402
 
 _LOAD = (
     "import sys, time, torch\n"

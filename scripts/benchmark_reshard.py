@@ -31,8 +31,8 @@ from argparse import Namespace
 
 import torch
 
-from fairseq_megatron.checkpoint_layout import partition_dim
-from fairseq_megatron.checkpoint_resharding import part_path
+from fairseq_megatron.checkpoint.layout import partition_dim
+from fairseq_megatron.checkpoint.part_files import part_path
 
 
 def layer_shapes(hidden: int, ffn: int):
@@ -171,7 +171,7 @@ def main(argv=None):
     ]
     for size in (1, 2):
         loads.append((f"{args.parts} parts -> part 0 of {size} in memory",
-                      "from fairseq_megatron.checkpoint_resharding import resharded_model; "
+                      "from fairseq_megatron.checkpoint.resharding import resharded_model; "
                       f"resharded_model({src!r}, 0, {size})", os.path.getsize(one) / size))
     print()
     print(f"{'load':>36} | {'time s':>7} | {'peak RSS GB':>11} | {'part GB':>7} | ratio")

@@ -16,12 +16,12 @@ import torch.multiprocessing as mp
 from fairseq.data import Dictionary
 
 import fairseq_megatron  # noqa: F401  (registers archs, installs the mpu module)
-from fairseq_megatron import parallel_state
+from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.models.model_parallel_transformer_lm import (
     ModelParallelTransformerLanguageModel,
     transformer_lm_megatron_11b,
 )
-from fairseq_megatron.rng_tracker import get_rng_tracker
+from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
 
 # Small dims that still exercise every split: 8 heads and FFN 128 divide by 1, 2 and 4.
 DIMS = dict(
@@ -143,7 +143,7 @@ def run_distributed(worker, world_size: int, tmp_path, *args):
 
 def init_model_parallel(model_parallel_size: int, seed: int = 0):
     parallel_state.initialize_model_parallel(model_parallel_size)
-    from fairseq_megatron.rng_tracker import model_parallel_manual_seed
+    from fairseq_megatron.parallel.rng_tracker import model_parallel_manual_seed
 
     model_parallel_manual_seed(seed)
     assert parallel_state.get_tensor_model_parallel_world_size() == model_parallel_size
@@ -236,7 +236,7 @@ def build_trainer(save_dir, fused: bool, model_parallel_size: int = 1, extra_arg
     from fairseq.model_parallel.megatron_trainer import MegatronTrainer
     from fairseq.trainer import Trainer
 
-    from fairseq_megatron.fused_adam import FusedAdamW
+    from fairseq_megatron.training.fused_adam import FusedAdamW
 
     os.makedirs(save_dir, exist_ok=True)  # fairseq-train creates it; crash.pt goes there
     init_model_parallel(model_parallel_size, seed=3)

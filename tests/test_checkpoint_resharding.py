@@ -15,19 +15,13 @@ from argparse import Namespace
 import pytest
 import torch
 
-from fairseq_megatron.checkpoint_layout import CheckpointError, split_model_state
-from fairseq_megatron.checkpoint_resharding import (
-    PartFiles,
-    export_to_fairseq,
-    find_part_files,
-    output_paths,
-    part_path,
-    reshard,
-    resharded_model,
-)
+from fairseq_megatron.checkpoint.layout import CheckpointError, split_model_state
+from fairseq_megatron.checkpoint.export import export_to_fairseq
+from fairseq_megatron.checkpoint.part_files import find_part_files, output_paths, part_path
+from fairseq_megatron.checkpoint.resharding import PartFiles, reshard, resharded_model
 from fairseq_megatron.cli import reshard_checkpoint
 from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
-from fairseq_megatron import parallel_state
+from fairseq_megatron.parallel import parallel_state
 from tests.helpers import LMTask, make_batch, make_dictionary, model_args, run_distributed
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -79,7 +73,7 @@ def save_checkpoint(path, num_parts, style="cfg", seed=0, legacy_format=False, o
     model with other weights, tied like the model's), returned as
     ``(weights, EMA weights)``.
     """
-    import fairseq_megatron.parallel_state as ps
+    import fairseq_megatron.parallel.parallel_state as ps
 
     assert ps.get_tensor_model_parallel_world_size() == 1
     # build "as if" at size 2: pad the vocabulary the way size 2 would

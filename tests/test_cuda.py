@@ -66,7 +66,7 @@ def test_cuda_graphs_train_like_the_compiled_stack(tmp_path):
 
 
 def test_fused_adamw_skips_a_nonfinite_update_on_the_gpu():
-    from fairseq_megatron.fused_adam import FusedAdamW
+    from fairseq_megatron.training.fused_adam import FusedAdamW
 
     p = torch.nn.Parameter(torch.ones(1000, device="cuda"))
     optimizer = FusedAdamW([p], lr=1e-2)
@@ -93,7 +93,7 @@ def _step_without_sync(rank, world_size, save_dir, extra_args):
     import traceback
     import warnings
 
-    from fairseq_megatron.fused_adam import FusedAdamW
+    from fairseq_megatron.training.fused_adam import FusedAdamW
 
     trainer, batches = build_trainer(save_dir, fused=False, extra_args=extra_args, cpu=False)
     picked = type(trainer.optimizer._optimizer).__name__

@@ -18,7 +18,8 @@ import torch
 from fairseq.data import Dictionary, data_utils
 
 from fairseq_megatron import USER_DIR
-from fairseq_megatron.checkpoint_resharding import export_to_fairseq, reshard
+from fairseq_megatron.checkpoint.export import export_to_fairseq
+from fairseq_megatron.checkpoint.resharding import reshard
 from fairseq_megatron.cli import reshard_checkpoint
 from tests.helpers import ENV, fairseq, free_port
 

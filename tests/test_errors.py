@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from fairseq_megatron import parallel_state
+from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.models.model_parallel_transformer_lm import check_dictionary_size
 from tests.helpers import build_model, init_model_parallel, make_batch, make_dictionary, run_distributed

@@ -13,7 +13,7 @@ import pytest
 import torch
 from fairseq.data import LMContextWindowDataset, MonolingualDataset, TokenBlockDataset
 
-from fairseq_megatron.eval_lm import ContextWindowDataset
+from fairseq_megatron.fairseq_integration.eval_lm import ContextWindowDataset
 from tests.helpers import make_dictionary, run_distributed
 
 CONTEXT = 7  # longer than a block, so a context spans several earlier blocks
@@ -123,7 +123,7 @@ def run_fairseqs_eval_lm(monkeypatch, post_process, remove_bos_token, seed, keep
     import fairseq_cli.eval_lm as cli
     from fairseq.sequence_scorer import SequenceScorer
 
-    from fairseq_megatron import eval_lm
+    from fairseq_megatron.fairseq_integration import eval_lm
 
     dictionary = make_dictionary()
     bpe_ids = [dictionary.add_symbol("ab@@"), dictionary.add_symbol("cd@@")]
@@ -168,7 +168,7 @@ def test_word_lines_reproduce_fairseqs(monkeypatch, caplog, post_process, remove
     lines fairseq's own ``eval_lm`` logs for the same hypotheses (BPE
     continuations joined into words, BOS removed). fairseq-eval-lm prints
     these rebuilt lines for two or more data-parallel groups."""
-    from fairseq_megatron import eval_lm
+    from fairseq_megatron.fairseq_integration import eval_lm
 
     with caplog.at_level("INFO", logger="fairseq_cli.eval_lm"):
         tally, _, _ = run_fairseqs_eval_lm(monkeypatch, post_process, remove_bos_token, seed=1, keep_words=True,
@@ -184,7 +184,7 @@ def test_word_lines_reproduce_fairseqs(monkeypatch, caplog, post_process, remove
 def _sum_worker(rank, world_size, log_prob_sums, counts, loss_offsets):
     import math
 
-    from fairseq_megatron import eval_lm
+    from fairseq_megatron.fairseq_integration import eval_lm
 
     tally = eval_lm._ScoreTally(make_dictionary(), None, False, torch.device("cpu"))
     tally.log_prob_sum += log_prob_sums[rank]

@@ -5,7 +5,7 @@ import torch
 from fairseq.optim.adam import Adam
 
 import fairseq_megatron  # noqa: F401  (installs the lookup)
-from fairseq_megatron.fused_adam import FusedAdamW, _build
+from fairseq_megatron.training.fused_adam import FusedAdamW, _build
 
 
 def _steps(optimizer_cls, steps=5):

@@ -16,7 +16,7 @@ from fairseq.scoring.bleu import BleuConfig, SacrebleuConfig, SacrebleuScorer, S
 from fairseq.scoring.chrf import ChrFScorer, ChrFScorerConfig
 from omegaconf import OmegaConf
 
-from fairseq_megatron.generate import (
+from fairseq_megatron.fairseq_integration.generate import (
     BatchwiseOutput,
     GenerationTimer,
     RoundWriter,
@@ -100,7 +100,7 @@ def _dealt_worker(rank, world_size, dealt):
     batch) through a BatchwiseOutput into a RoundWriter over the
     data-parallel group of ``world_size`` (model-parallel size 1); returns
     what rank 0 had written when its loop reached each batch, and at the end."""
-    from fairseq_megatron import parallel_state
+    from fairseq_megatron.parallel import parallel_state
 
     init_model_parallel(1)
     assert parallel_state.get_data_parallel_world_size() == world_size
@@ -164,7 +164,7 @@ def _interactive_worker(rank, world_size, path):
 
     from fairseq_cli import interactive
 
-    from fairseq_megatron import parallel_state
+    from fairseq_megatron.parallel import parallel_state
 
     init_model_parallel(2)
     read = interactive.buffered_read  # the plugin's (installed on import), over fairseq's own

@@ -12,8 +12,8 @@ import torch
 from fairseq import search
 from fairseq.sequence_generator import SequenceGenerator
 
-from fairseq_megatron import parallel_state
-from fairseq_megatron.checkpoint_layout import split_model_state
+from fairseq_megatron.parallel import parallel_state
+from fairseq_megatron.checkpoint.layout import split_model_state
 from tests.helpers import build_model, init_model_parallel, make_batch, run_distributed
 
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -3,7 +3,7 @@
 fairseq's MegatronTrainer sums squared local norms over the group, so the
 replicated parameters (layer norms, row-parallel biases) count N times; the
 tests show that this differs from size 1 by more than the tolerance (so the
-comparison can fail) and that :mod:`fairseq_megatron.grad_norm` does not,
+comparison can fail) and that :mod:`fairseq_megatron.parallel.grad_norm` does not,
 also inside fairseq's FP16Optimizer (flat fp32 master gradients, loss scale,
 pending multiply factor).
 
@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from fairseq.optim.fairseq_optimizer import FairseqOptimizer
 from fairseq.optim.fp16_optimizer import FP16Optimizer
 
-from fairseq_megatron import parallel_state
-from fairseq_megatron.checkpoint_layout import partition_dim, split_model_state
-from fairseq_megatron.grad_norm import model_parallel_norm_aggregator
+from fairseq_megatron.parallel import parallel_state
+from fairseq_megatron.checkpoint.layout import partition_dim, split_model_state
+from fairseq_megatron.parallel.grad_norm import model_parallel_norm_aggregator
 from fairseq_megatron.modules import vocab_parallel_cross_entropy
 from tests.helpers import build_model, init_model_parallel, make_batch, run_distributed
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fairseq_megatron import parallel_state
-from fairseq_megatron.checkpoint_activations import checkpoint_wrapper, compile_for_training
+from fairseq_megatron.parallel import parallel_state
+from fairseq_megatron.training.activation_checkpointing import checkpoint_wrapper, compile_for_training
 from tests.helpers import build_model, init_model_parallel, make_batch, run_distributed
 
 

@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from fairseq.models.transformer_lm import TransformerLanguageModel, base_lm_architecture
 
-from fairseq_megatron import parallel_state
-from fairseq_megatron.checkpoint_layout import partition_dim, split_model_state
+from fairseq_megatron.parallel import parallel_state
+from fairseq_megatron.checkpoint.layout import partition_dim, split_model_state
 from fairseq_megatron.modules import vocab_parallel_cross_entropy
 from tests.helpers import DIMS, SEQ_LEN, LMTask, build_model, init_model_parallel, make_batch, run_distributed
 

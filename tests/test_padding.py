@@ -1,12 +1,12 @@
 """fairseq_integration step 11: whether a batch holds padding is answered on
-the host (fairseq_megatron.padding), and the decoder takes that answer."""
+the host (fairseq_megatron.training.padding), and the decoder takes that answer."""
 
 import types
 
 import torch
 from fairseq.trainer import Trainer
 
-from fairseq_megatron.padding import has_padding, mark_padding
+from fairseq_megatron.training.padding import has_padding, mark_padding
 from tests.helpers import build_model, make_batch
 
 PAD = 1

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fairseq_megatron import parallel_state
+from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.modules import (
     ColumnParallelLinear,
     RowParallelLinear,

@@ -7,9 +7,9 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from fairseq_megatron import parallel_state
-from fairseq_megatron.checkpoint_activations import checkpoint_wrapper
-from fairseq_megatron.rng_tracker import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker
+from fairseq_megatron.parallel import parallel_state
+from fairseq_megatron.training.activation_checkpointing import checkpoint_wrapper
+from fairseq_megatron.parallel.rng_tracker import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker
 from tests.helpers import build_model, init_model_parallel, make_batch, run_distributed
 
 
@@ -178,7 +178,7 @@ def test_offloaded_compiled_layers_match_eager():
     and the recompute from the host copy both run the compiled graph; loss
     and gradients equal the eager model's within 1e-5, the tolerance of
     the compile tests above (fused kernels reorder fp32 sums)."""
-    from fairseq_megatron.checkpoint_activations import compile_for_training
+    from fairseq_megatron.training.activation_checkpointing import compile_for_training
 
     torch._dynamo.reset()
     results = []
@@ -233,7 +233,7 @@ def test_compiled_layers_match_eager():
     within 1e-5 (fused kernels reorder sums; a wrong graph is off by far
     more). The aot_eager backend exercises dynamo tracing and the autograd
     graph without needing a C++ compiler; GPUs use the default (inductor)."""
-    from fairseq_megatron.checkpoint_activations import compile_for_training
+    from fairseq_megatron.training.activation_checkpointing import compile_for_training
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

@@ -36,7 +36,7 @@ def _reads_worker(rank, world_size, save_dir, extra_args):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import fairseq.trainer
-    from fairseq_megatron import checkpoint_activations
+    from fairseq_megatron.training import activation_checkpointing as checkpoint_activations
     from fairseq_megatron.fairseq_integration.patching import TorchStandIn
 
     class HostReads(TorchDispatchMode):

@@ -48,11 +48,11 @@ def check_inputs(args) -> dict:
             reshards in memory), ``--gpus`` not a multiple of it, or a
             dict.txt whose size does not match the checkpoint's embedding.
     """
-    from fairseq_megatron.checkpoint_layout import CheckpointError
-    from fairseq_megatron.checkpoint_resharding import (
+    from fairseq_megatron.checkpoint.layout import CheckpointError
+    from fairseq_megatron.checkpoint.part_files import find_part_files
+    from fairseq_megatron.checkpoint.resharding import (
         check_divisible,
         config_value,
-        find_part_files,
         model_config,
         read_checkpoint,
     )

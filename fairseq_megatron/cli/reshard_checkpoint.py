@@ -21,10 +21,10 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from fairseq_megatron.checkpoint_resharding import (
+from fairseq_megatron.checkpoint.export import export_to_fairseq
+from fairseq_megatron.checkpoint.resharding import (
     PartFiles,
     config_value,
-    export_to_fairseq,
     layer_groups,
     model_config,
     reshard,

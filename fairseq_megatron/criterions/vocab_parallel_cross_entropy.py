@@ -3,7 +3,7 @@
 from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
 
 from fairseq_megatron.modules.vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
-from fairseq_megatron.registry import take_over_criterion
+from fairseq_megatron.models.registry import take_over_criterion
 
 
 @take_over_criterion("vocab_parallel_cross_entropy", CrossEntropyCriterionConfig)

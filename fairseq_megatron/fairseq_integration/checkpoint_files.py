@@ -112,7 +112,7 @@ class TorchWithTrustedLoad(TorchStandIn):
 
     @staticmethod
     def load(f, *args, **kwargs):
-        from fairseq_megatron.checkpoint_layout import CheckpointError
+        from fairseq_megatron.checkpoint.layout import CheckpointError
 
         kwargs.setdefault("weights_only", False)
         name = getattr(f, "name", f if isinstance(f, (str, os.PathLike)) else None)

@@ -2,7 +2,7 @@
 tools and fairseq-train build each rank's part in memory from the part
 files that exist, after checking them for truncation (steps 13 and 15 of
 :mod:`fairseq_megatron.fairseq_integration`; the resharding itself is
-:mod:`fairseq_megatron.checkpoint_resharding`).
+:mod:`fairseq_megatron.checkpoint.resharding`).
 
 13. :func:`checkpoints_at_another_model_parallel_size` -- fairseq loads
    only the file of its own model-parallel size (``model.pt`` at size 1,
@@ -10,7 +10,7 @@ files that exist, after checking them for truncation (steps 13 and 15 of
    was "Model file not found". fairseq-eval-lm, fairseq-generate,
    fairseq-interactive and the hub interface now build each rank's part in
    memory from the parts that exist (the 8 published Megatron-11b parts on
-   one GPU, say; :func:`fairseq_megatron.checkpoint_resharding.resharded_model`).
+   one GPU, say; :func:`fairseq_megatron.checkpoint.resharding.resharded_model`).
    Every rank checks that no part file is cut short before any rank loads
    one: a truncated part made its rank fail inside torch.load while the
    others reported a lost connection. fairseq-eval-lm and -validate load
@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 def _is_model_parallel_lm(state: dict) -> bool:
     """Whether checkpoint ``state`` holds one of our architectures."""
-    from fairseq_megatron.checkpoint_resharding import config_value, model_config
+    from fairseq_megatron.checkpoint.resharding import config_value, model_config
     from fairseq_megatron.models.model_parallel_transformer_lm import is_model_parallel_arch
 
     config = model_config(state)
@@ -67,9 +67,9 @@ def _is_model_parallel_lm(state: dict) -> bool:
 
 def _existing_part_files(path: str) -> list:
     """The files of checkpoint ``path`` (see
-    :func:`fairseq_megatron.checkpoint_resharding.find_part_files`), or none
+    :func:`fairseq_megatron.checkpoint.part_files.find_part_files`), or none
     where no checkpoint has that name."""
-    from fairseq_megatron.checkpoint_resharding import find_part_files
+    from fairseq_megatron.checkpoint.part_files import find_part_files
 
     try:
         return find_part_files(path)
@@ -86,7 +86,7 @@ def _refuse_one_part_as(flag: str, path: str) -> None:
     Raises:
         UsageError: ``path`` names one part file of a checkpoint in parts.
     """
-    from fairseq_megatron.checkpoint_resharding import checkpoint_of_part
+    from fairseq_megatron.checkpoint.part_files import checkpoint_of_part
     from fairseq_megatron.errors import UsageError
 
     checkpoint = checkpoint_of_part(path)
@@ -125,8 +125,8 @@ def _resharded_state(path: str, files: list, arg_overrides=None, with_ema: bool 
     tracker states."""
     from fairseq import checkpoint_utils
 
-    from fairseq_megatron import parallel_state
-    from fairseq_megatron.checkpoint_resharding import (
+    from fairseq_megatron.parallel import parallel_state
+    from fairseq_megatron.checkpoint.resharding import (
         resharded_model,
         set_model_parallel_size,
         without_part_specific_state,
@@ -166,8 +166,8 @@ def checkpoints_at_another_model_parallel_size() -> None:
     from fairseq import checkpoint_utils
     from fairseq.file_io import PathManager
 
-    from fairseq_megatron import parallel_state
-    from fairseq_megatron.checkpoint_resharding import check_complete, find_part_files
+    from fairseq_megatron.parallel import parallel_state
+    from fairseq_megatron.checkpoint.part_files import check_complete, find_part_files
 
     original_load = checkpoint_utils.load_model_ensemble_and_task
 
@@ -235,12 +235,11 @@ def training_from_checkpoints_at_another_size() -> None:
     from fairseq.file_io import PathManager
     from fairseq.trainer import Trainer
 
-    from fairseq_megatron import parallel_state
-    from fairseq_megatron.checkpoint_resharding import (
-        check_complete,
+    from fairseq_megatron.parallel import parallel_state
+    from fairseq_megatron.checkpoint.part_files import check_complete, find_part_files
+    from fairseq_megatron.checkpoint.resharding import (
         check_part_count,
         config_value,
-        find_part_files,
         model_config,
         saved_vocabulary,
     )

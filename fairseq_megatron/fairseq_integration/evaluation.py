@@ -11,7 +11,7 @@ scored, once, by a whole model-parallel group (steps 5, 18 and 19 of
    crashed on uneven shards and gave wrong contexts once batches were split
    over shards or workers, and each group printed its own shard's
    perplexity (and words, with ``--output-word-probs`` or
-   ``--output-word-stats``); :mod:`fairseq_megatron.eval_lm` fixes the three, and
+   ``--output-word-stats``); :mod:`fairseq_megatron.fairseq_integration.eval_lm` fixes the three, and
    refuses settings that leave no token to score (fairseq printed
    perplexity 1.00, or failed with ZeroDivisionError).
 
@@ -62,7 +62,7 @@ def _data_parallel_shard(num_shards: int, shard_id: int):
     """
     import torch.distributed as dist
 
-    from fairseq_megatron import parallel_state
+    from fairseq_megatron.parallel import parallel_state
 
     if (
         parallel_state.model_parallel_is_initialized()
@@ -78,7 +78,7 @@ def shard_by_data_parallel_rank() -> None:
     from fairseq.tasks.fairseq_task import FairseqTask
     from fairseq.tasks.language_modeling import LanguageModelingTask
 
-    from fairseq_megatron import eval_lm
+    from fairseq_megatron.fairseq_integration import eval_lm
 
     LanguageModelingTask.eval_lm_dataloader = eval_lm.eval_lm_dataloader
     replace_in_cli_module("fairseq_cli.eval_lm", "SequenceScorer", lambda _: eval_lm.TallyingSequenceScorer)

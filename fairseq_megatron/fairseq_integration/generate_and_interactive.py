@@ -1,7 +1,7 @@
 """fairseq-generate and fairseq-interactive over model-parallel groups: how
 they launch, which rank reads the prompts and which prints (step 6 of
 :mod:`fairseq_megatron.fairseq_integration`; the gathering of several
-groups' output is :mod:`fairseq_megatron.generate`).
+groups' output is :mod:`fairseq_megatron.fairseq_integration.generate`).
 
 6. :func:`model_parallel_generate` -- ``fairseq-generate`` never started
    torch.distributed, yet sharded its batches by the world size: one
@@ -11,7 +11,7 @@ groups' output is :mod:`fairseq_megatron.generate`).
    size; only model-parallel rank 0 prints, and the output of several
    data-parallel groups is printed once, in one process's order, as each
    round of batches completes, with one score line
-   (:mod:`fairseq_megatron.generate`; before, the groups wrote over each
+   (:mod:`fairseq_megatron.fairseq_integration.generate`; before, the groups wrote over each
    other's ``--results-path`` file).
    fairseq-interactive under torchrun read standard input in every process,
    so the ranks split the lines between them and hung in their first
@@ -33,7 +33,7 @@ from fairseq_megatron.fairseq_integration.patching import StandIn, patch_cli_mai
 
 
 def _not_model_parallel_rank_0() -> bool:
-    from fairseq_megatron import parallel_state
+    from fairseq_megatron.parallel import parallel_state
 
     return parallel_state.model_parallel_is_initialized() and parallel_state.get_tensor_model_parallel_rank() != 0
 
@@ -52,7 +52,7 @@ def model_parallel_generate() -> None:
     data sharded over the data-parallel groups. Every rank of a group
     computes the same hypotheses; model-parallel rank 0 prints them (or
     writes ``--results-path``), the others write to /dev/null. With two or
-    more groups, :mod:`fairseq_megatron.generate` gathers their output
+    more groups, :mod:`fairseq_megatron.fairseq_integration.generate` gathers their output
     round by round of batches, and rank 0 prints it once, as it comes, in
     the order of a run in one process, with one score line; a
     ``--results-path`` file is always written whole, under a temporary name
@@ -67,7 +67,8 @@ def model_parallel_generate() -> None:
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.distributed import utils as dist_utils
 
-    from fairseq_megatron import generate, parallel_state
+    from fairseq_megatron.fairseq_integration import generate
+    from fairseq_megatron.parallel import parallel_state
     from fairseq_megatron.errors import check_directory_can_be_made
 
     launching = contextvars.ContextVar("launching_fairseq_generate", default=False)
@@ -116,7 +117,7 @@ def model_parallel_generate() -> None:
 
     class ScoringOfShards(StandIn):
         """``fairseq.scoring`` in fairseq_cli.generate: while its output is
-        collected, the scorer is a :class:`fairseq_megatron.generate.ShardScorer`."""
+        collected, the scorer is a :class:`fairseq_megatron.fairseq_integration.generate.ShardScorer`."""
 
         def build_scorer(self, *args, **kwargs):
             scorer = self.stands_for.build_scorer(*args, **kwargs)
@@ -211,7 +212,7 @@ def _read_on_rank_0(buffered_read):
 
     import torch.distributed as dist
 
-    from fairseq_megatron import parallel_state
+    from fairseq_megatron.parallel import parallel_state
 
     @functools.wraps(buffered_read)
     def read(input, buffer_size):

@@ -174,7 +174,7 @@ def data_parallel_only() -> None:
     import torch.distributed as dist
     from fairseq.distributed import utils as dist_utils
 
-    from fairseq_megatron import parallel_state
+    from fairseq_megatron.parallel import parallel_state
 
     original = dist_utils.distributed_init
 
@@ -240,7 +240,7 @@ def spawned_processes_install_the_plugin() -> None:
 def launch_checked_before_fairseq_train_writes() -> None:
     from fairseq import distributed_utils
 
-    from fairseq_megatron import parallel_state
+    from fairseq_megatron.parallel import parallel_state
     from fairseq_megatron.errors import check_directory_can_be_made
     from fairseq_megatron.models.model_parallel_transformer_lm import (
         check_data_parallel_backend,

@@ -2,7 +2,7 @@
 have given it: the ``mpu`` module, and a ``MegatronTrainer`` that can be
 built (steps 1 and 2 of :mod:`fairseq_megatron.fairseq_integration`).
 
-1. :func:`provide_mpu` -- registers :mod:`fairseq_megatron.mpu` as
+1. :func:`provide_mpu` -- registers :mod:`fairseq_megatron.parallel.mpu` as
    ``fairseq.model_parallel.megatron.mpu``, the module fairseq imports when
    ``--model-parallel-size > 1`` (no pip release ships the git submodule).
 
@@ -12,7 +12,7 @@ built (steps 1 and 2 of :mod:`fairseq_megatron.fairseq_integration`).
    ``clip_grad_norm`` counted the parameters every rank holds in full (layer
    norms, row-parallel biases) once per rank, so ``gnorm`` and clipping
    depended on the model-parallel size; now each counts once
-   (:mod:`fairseq_megatron.grad_norm`). The ``crash.pt`` that fairseq's
+   (:mod:`fairseq_megatron.parallel.grad_norm`). The ``crash.pt`` that fairseq's
    trainer writes on a FloatingPointError had no part suffix, so every rank
    of a group wrote (and renamed) the same file: one rank's part survived
    under a whole checkpoint's name, and the other rank could fail with
@@ -28,7 +28,7 @@ import types
 def provide_mpu() -> None:
     import fairseq.model_parallel
 
-    from fairseq_megatron import mpu
+    from fairseq_megatron.parallel import mpu
 
     package = types.ModuleType("fairseq.model_parallel.megatron")
     package.__path__ = []  # a namespace with one submodule, mpu
@@ -41,8 +41,8 @@ def provide_mpu() -> None:
 def enable_megatron_trainer() -> None:
     from fairseq.model_parallel import megatron_trainer
 
-    from fairseq_megatron import mpu, parallel_state
-    from fairseq_megatron.grad_norm import model_parallel_norm_aggregator
+    from fairseq_megatron.parallel import mpu, parallel_state
+    from fairseq_megatron.parallel.grad_norm import model_parallel_norm_aggregator
 
     for name in (
         "get_data_parallel_group",

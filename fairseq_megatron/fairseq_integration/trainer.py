@@ -7,7 +7,7 @@ finished run left as it is (steps 8 to 12 and 25 of
 8. :func:`fused_adam_without_apex` -- ``--optimizer adam`` uses a fused
    kernel (torch's fused AdamW) when apex is absent, and that kernel also
    applies fairseq's gradient multiply and clipping; see
-   :mod:`fairseq_megatron.fused_adam`.
+   :mod:`fairseq_megatron.training.fused_adam`.
 
 9. :func:`step_log_without_device_wait` -- after every optimizer step the
    trainer's ``_reduce_and_log_stats`` waited for the GPU twice: it tested
@@ -29,7 +29,7 @@ finished run left as it is (steps 8 to 12 and 25 of
    holds padding (to build an attention mask only then), and on the GPU that
    question waited for the previous step's optimizer to finish. The trainer
    now answers it while the batch is still on the CPU and marks the GPU copy
-   (:mod:`fairseq_megatron.padding`).
+   (:mod:`fairseq_megatron.training.padding`).
 
 12. :func:`nonfinite_gradients_skipped_on_the_device` -- before every
    update the trainer tested the gradient norm on the host
@@ -68,7 +68,7 @@ logger = logging.getLogger(__name__)
 def fused_adam_without_apex() -> None:
     import fairseq.optim.adam
 
-    from fairseq_megatron.fused_adam import fused_adam_class, route_to_fused
+    from fairseq_megatron.training.fused_adam import fused_adam_class, route_to_fused
 
     fairseq.optim.adam.get_fused_adam_class = fused_adam_class(fairseq.optim.adam.get_fused_adam_class)
     route_to_fused(fairseq.optim.adam.FairseqAdam)
@@ -193,7 +193,7 @@ def _source_tokens(sample):
 def padding_known_on_the_host() -> None:
     from fairseq.trainer import Trainer
 
-    from fairseq_megatron.padding import mark_padding
+    from fairseq_megatron.training.padding import mark_padding
 
     original = Trainer._prepare_sample
 
@@ -244,7 +244,7 @@ def nonfinite_gradients_skipped_on_the_device() -> None:
     from fairseq.model_parallel.megatron_trainer import MegatronTrainer
     from fairseq.optim.adam import FairseqAdam
 
-    from fairseq_megatron.fused_adam import FusedAdamW
+    from fairseq_megatron.training.fused_adam import FusedAdamW
 
     def checked_on_the_device(clip_grad_norm):
         @functools.wraps(clip_grad_norm)

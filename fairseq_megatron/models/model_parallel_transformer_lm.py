@@ -2,7 +2,7 @@
 
 Registered under fairseq's own names (``model_parallel_transformer_lm``,
 ``transformer_lm_megatron``, ``transformer_lm_megatron_11b``; see
-:mod:`fairseq_megatron.registry`), so the Megatron-11b recipe and checkpoints
+:mod:`fairseq_megatron.models.registry`), so the Megatron-11b recipe and checkpoints
 work unchanged. State-dict keys and per-rank shapes are those of fairseq's
 ``model_parallel/models/transformer_lm.py`` + ``transformer.py``.
 """
@@ -20,8 +20,8 @@ from fairseq.models.transformer import TransformerConfig, TransformerDecoder
 from fairseq.models.transformer_lm import TransformerLanguageModel, base_lm_architecture
 from fairseq.utils import safe_getattr
 
-from fairseq_megatron import parallel_state
-from fairseq_megatron.checkpoint_activations import checkpoint_wrapper, compile_for_training, runs_compiled
+from fairseq_megatron.parallel import parallel_state
+from fairseq_megatron.training.activation_checkpointing import checkpoint_wrapper, compile_for_training, runs_compiled
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.modules import (
     ColumnParallelLinear,
@@ -33,8 +33,8 @@ from fairseq_megatron.modules import (
     scatter_to_sequence_parallel_region,
 )
 from fairseq_megatron.modules import sharding
-from fairseq_megatron.padding import has_padding
-from fairseq_megatron.registry import take_over_model, take_over_model_architecture
+from fairseq_megatron.training.padding import has_padding
+from fairseq_megatron.models.registry import take_over_model, take_over_model_architecture
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def check_processes(model_parallel_size: int, processes: int) -> None:
     ``processes`` is the run's world size (1 when torch.distributed is not
     initialised: no launcher). A world size that ``model_parallel_size``
     does not divide is refused where the groups are made
-    (:func:`fairseq_megatron.parallel_state.initialize_model_parallel`).
+    (:func:`fairseq_megatron.parallel.parallel_state.initialize_model_parallel`).
 
     Raises:
         UsageError: ``model_parallel_size`` < 1 (fairseq ran 0 or a negative
@@ -137,7 +137,7 @@ def check_data_parallel_backend(ddp_backend: str, model_parallel_size: int, cpu:
     (``fairseq/distributed/fully_sharded_data_parallel.py``) to wrap it in
     FSDP, which flattens the parameters and shards them over the
     data-parallel ranks. At model-parallel size > 1 the gradient norm
-    (:mod:`fairseq_megatron.grad_norm`: each parameter's rule found by name,
+    (:mod:`fairseq_megatron.parallel.grad_norm`: each parameter's rule found by name,
     summed over the model-parallel group only) and the model part files
     expect every rank to hold its whole part, so that is refused; on CPU
     (``cpu``, or no CUDA) fairscale's FSDP fails with "Torch not compiled
@@ -434,7 +434,7 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
         around sharded dropout, which dynamo cannot trace, and activation
         checkpointing replays that swap; those keep per-layer compilation.
         Evaluation and incremental decoding stay eager, as in
-        :func:`~fairseq_megatron.checkpoint_activations.compile_for_training`.
+        :func:`~fairseq_megatron.training.activation_checkpointing.compile_for_training`.
         The region is :meth:`run_layers_to_last_output`: its one output is
         the last layer's (see there why not every layer's).
 

@@ -1,7 +1,7 @@
 """Tensor-model-parallel building blocks (Megatron-LM terms, fairseq parameter names)."""
 
 from fairseq_megatron.modules.column_parallel_linear import ColumnParallelLinear
-from fairseq_megatron.modules.mappings import (
+from fairseq_megatron.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,

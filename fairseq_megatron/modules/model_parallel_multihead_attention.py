@@ -8,12 +8,12 @@ import torch.nn.functional as F
 from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor
 
-from fairseq_megatron import parallel_state
+from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.modules.column_parallel_linear import ColumnParallelLinear, column_parallel_input
 from fairseq_megatron.modules.row_parallel_linear import RowParallelLinear
 from fairseq_megatron.modules.sharding import divide
-from fairseq_megatron.rng_tracker import get_rng_tracker
+from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
 
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
 

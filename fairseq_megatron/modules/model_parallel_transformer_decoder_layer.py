@@ -8,16 +8,16 @@ from fairseq import utils
 from fairseq.modules import LayerNorm
 from torch import Tensor
 
-from fairseq_megatron import parallel_state
-from fairseq_megatron.checkpoint_activations import rewrap_forward
+from fairseq_megatron.parallel import parallel_state
+from fairseq_megatron.training.activation_checkpointing import rewrap_forward
 from fairseq_megatron.modules.column_parallel_linear import ColumnParallelLinear
-from fairseq_megatron.modules.mappings import copy_to_tensor_model_parallel_region
+from fairseq_megatron.parallel.mappings import copy_to_tensor_model_parallel_region
 from fairseq_megatron.modules.model_parallel_multihead_attention import (
     IncrementalState,
     ModelParallelMultiheadAttention,
 )
 from fairseq_megatron.modules.row_parallel_linear import RowParallelLinear
-from fairseq_megatron.rng_tracker import get_rng_tracker
+from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
 
 
 class ModelParallelTransformerDecoderLayer(parallel_state.SharesProcessGroupsWhenCopied, nn.Module):
@@ -143,7 +143,7 @@ class ModelParallelTransformerDecoderLayer(parallel_state.SharesProcessGroupsWhe
 
     def __deepcopy__(self, memo):
         """A copy with its own ``--compile-layers`` / ``--checkpoint-activations``
-        wrappers (see :func:`~fairseq_megatron.checkpoint_activations.rewrap_forward`)."""
+        wrappers (see :func:`~fairseq_megatron.training.activation_checkpointing.rewrap_forward`)."""
         copied = super().__deepcopy__(memo)
         rewrap_forward(copied)
         return copied

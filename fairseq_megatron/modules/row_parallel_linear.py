@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fairseq_megatron import parallel_state
-from fairseq_megatron.modules.mappings import (
+from fairseq_megatron.parallel import parallel_state
+from fairseq_megatron.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,

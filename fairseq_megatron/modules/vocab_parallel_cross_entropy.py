@@ -12,8 +12,8 @@ softmax) for the backward, which recomputes the softmax.
 import torch
 import torch.distributed as dist
 
-from fairseq_megatron import parallel_state
-from fairseq_megatron.parallel_state import ProcessGroup
+from fairseq_megatron.parallel import parallel_state
+from fairseq_megatron.parallel.parallel_state import ProcessGroup
 
 
 def _all_reduce_(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:

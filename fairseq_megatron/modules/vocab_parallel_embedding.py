@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fairseq_megatron import parallel_state
-from fairseq_megatron.modules.mappings import reduce_from_tensor_model_parallel_region
+from fairseq_megatron.parallel import parallel_state
+from fairseq_megatron.parallel.mappings import reduce_from_tensor_model_parallel_region
 from fairseq_megatron.modules.sharding import divide, init_shard_
 
 

@@ -47,7 +47,7 @@ from fairseq.scoring import BaseScorer
 from fairseq.scoring.bleu import Scorer as BleuScorer
 from fairseq.scoring.wer import WerScorer
 
-from fairseq_megatron import parallel_state
+from fairseq_megatron.parallel import parallel_state
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ fairseq code was written against; group-less communication helpers use this
 rank's tensor-model-parallel group.
 """
 
-from fairseq_megatron import parallel_state
+from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.modules import (  # noqa: F401  (re-exported for Megatron-style imports)
     ColumnParallelLinear,
     RowParallelLinear,
@@ -19,7 +19,7 @@ from fairseq_megatron.modules import (  # noqa: F401  (re-exported for Megatron-
     scatter_to_tensor_model_parallel_region,
     vocab_parallel_cross_entropy,
 )
-from fairseq_megatron.parallel_state import (  # noqa: F401
+from fairseq_megatron.parallel.parallel_state import (  # noqa: F401
     destroy_model_parallel,
     get_data_parallel_group,
     get_data_parallel_rank,
@@ -27,7 +27,7 @@ from fairseq_megatron.parallel_state import (  # noqa: F401
     initialize_model_parallel,
     model_parallel_is_initialized,
 )
-from fairseq_megatron.rng_tracker import get_cuda_rng_tracker, model_parallel_cuda_manual_seed  # noqa: F401
+from fairseq_megatron.parallel.rng_tracker import get_cuda_rng_tracker, model_parallel_cuda_manual_seed  # noqa: F401
 
 get_model_parallel_group = parallel_state.get_tensor_model_parallel_group
 get_model_parallel_rank = parallel_state.get_tensor_model_parallel_rank

@@ -14,7 +14,7 @@ stride across them). This module adds what fairscale leaves out:
 
 Layers take the group at construction time (default: :func:`get_tensor_model_parallel_group`)
 and pass it to the communication functions in
-:mod:`fairseq_megatron.modules.mappings`; nothing deeper reads globals.
+:mod:`fairseq_megatron.parallel.mappings`; nothing deeper reads globals.
 """
 
 import copy
@@ -85,7 +85,7 @@ def get_tensor_model_parallel_group() -> ProcessGroup:
         return None
     raise ModelParallelNotInitializedError(
         "model parallel group is not initialized: with torch.distributed running, "
-        "call fairseq_megatron.parallel_state.initialize_model_parallel(N) first "
+        "call fairseq_megatron.parallel.parallel_state.initialize_model_parallel(N) first "
         "(fairseq does this when --model-parallel-size > 1)"
     )
 

@@ -1,6 +1,6 @@
 """Which model tensors are split how across model parts, and how to split or join them.
 
-In memory; :mod:`fairseq_megatron.checkpoint_resharding` streams files.
+In memory; :mod:`fairseq_megatron.checkpoint.resharding` streams files.
 
 The layout is that of fairseq's ModelParallelTransformerDecoder (and of
 this package's modules):

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from fairseq.data import FairseqDataset
 from fairseq.sequence_scorer import SequenceScorer
 
-from fairseq_megatron import parallel_state
+from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.errors import UsageError
 
 logger = logging.getLogger(__name__)

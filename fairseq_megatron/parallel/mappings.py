@@ -37,8 +37,8 @@ the same code runs with gloo on CPU and NCCL on GPU.
 import torch
 import torch.distributed as dist
 
-from fairseq_megatron import parallel_state
-from fairseq_megatron.parallel_state import ProcessGroup
+from fairseq_megatron.parallel import parallel_state
+from fairseq_megatron.parallel.parallel_state import ProcessGroup
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

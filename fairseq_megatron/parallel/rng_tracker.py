@@ -20,7 +20,7 @@ from typing import Dict, Union
 
 import torch
 
-from fairseq_megatron import parallel_state
+from fairseq_megatron.parallel import parallel_state
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 # Megatron-LM's offset between the data-parallel seed and the model-parallel one.

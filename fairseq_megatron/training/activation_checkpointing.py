@@ -4,7 +4,7 @@
 fairseq's model-parallel decoder never checkpointed its layers, and fairseq's
 own ``checkpoint_wrapper`` restores only the default CPU/CUDA generators on
 recompute. Dropout inside a model-parallel region draws from the tracker's
-stream (:mod:`fairseq_megatron.rng_tracker`), so the recomputed forward would
+stream (:mod:`fairseq_megatron.parallel.rng_tracker`), so the recomputed forward would
 drop different units than the original one and the gradients would be wrong.
 This wrapper snapshots the tracker before the forward, replays the snapshot
 during the recompute and puts the tracker back afterwards (as Megatron-LM's
@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from fairseq_megatron.rng_tracker import get_rng_tracker
+from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
 
 
 def _checkpointed_forward(original_forward, offload_to_cpu, *args, **kwargs):

@@ -4,8 +4,9 @@ The published Megatron-11b is 8 part files for 8 GPUs; nothing in fairseq can
 change that (fairseq issues 2351, 3398). :func:`reshard` reads the parts of a
 checkpoint saved at any size and writes the parts for any size M that divides
 the attention heads, the FFN size and the padded vocabulary; M = 1 gives one
-file. :func:`export_to_fairseq` writes a single-file checkpoint for fairseq's
-own, non-parallel ``transformer_lm``.
+file (:mod:`fairseq_megatron.checkpoint.export` writes one for fairseq's own,
+non-parallel ``transformer_lm``; :mod:`fairseq_megatron.checkpoint.part_files`
+finds and names the part files).
 
 Memory: inputs are memory-mapped (``torch.load(mmap=True)``) and reopened for
 every layer, so only the layer being copied is resident; the output parts are
@@ -17,24 +18,20 @@ Safety: inputs are never overwritten; every output is written to
 ``<name>.tmp``, verified by re-reading it and comparing a checksum per tensor
 (``verify=True``), then renamed.
 
-The split rules are in :mod:`fairseq_megatron.checkpoint_layout`.
+The split rules are in :mod:`fairseq_megatron.checkpoint.layout`.
 """
 
 import copy
-import dataclasses
 import gc
-import glob
 import hashlib
 import os
 import re
-import zipfile
-from argparse import Namespace
 from collections import OrderedDict
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from fairseq_megatron.checkpoint_layout import (
+from fairseq_megatron.checkpoint.layout import (
     CheckpointError,
     is_per_element,
     optimizer_state_per_parameter,
@@ -43,123 +40,20 @@ from fairseq_megatron.checkpoint_layout import (
     slice_for_part,
     tied_keys,
 )
-from fairseq_megatron.errors import check_directory_can_be_made
+from fairseq_megatron.checkpoint.part_files import (
+    can_be_memory_mapped,
+    check_output_name,
+    find_part_files,
+    output_paths,
+    part_path,
+)
 
-PART_SUFFIX = "-model_part-{}"
 EMBED_KEYS = ("decoder.embed_tokens.weight", "decoder.output_projection.weight")
 # The entries of ``extra_state`` that fairseq-train ``--store-ema`` writes
 # (``fairseq/trainer.py``): the EMA model's state dict and, with
 # ``--ema-fp32``, fp32 copies of it; both keyed like the model's state dict,
 # so they are split and joined by the same rules.
 EMA_STATE_DICTS = ("ema", "ema_fp32_params")
-
-
-# ------------------------------------------------------------------ names
-
-
-def part_path(path: str, rank: int) -> str:
-    """fairseq's name for model part ``rank`` of ``path``: ``model.pt`` -> ``model-model_part-{rank}.pt``."""
-    if not path.endswith(".pt"):
-        raise CheckpointError(f"checkpoint path must end in .pt: {path}")
-    return path[: -len(".pt")] + PART_SUFFIX.format(rank) + ".pt"
-
-
-def checkpoint_of_part(path: str) -> Optional[str]:
-    """The checkpoint name that part file ``path`` belongs to
-    (``model-model_part-3.pt`` -> ``model.pt``), or None for a name without
-    the part suffix."""
-    m = re.fullmatch(r"(.*)" + re.escape(PART_SUFFIX.format("")) + r"\d+\.pt", path)
-    return m.group(1) + ".pt" if m else None
-
-
-def output_paths(path: str, num_parts: int) -> List[str]:
-    """Where a checkpoint of ``num_parts`` parts named ``path`` lives (``path`` itself for 1)."""
-    return [path] if num_parts == 1 else [part_path(path, r) for r in range(num_parts)]
-
-
-def _part_ranks(path: str) -> List[int]:
-    """The K of every ``<path>-model_part-K.pt`` on disk, ascending; none for
-    a name not ending in ``.pt`` (fairseq's part names replace the ``.pt``)."""
-    if not path.endswith(".pt"):
-        return []
-    prefix = part_path(path, 0)[: -len("0.pt")]
-    tails = (p[len(prefix): -len(".pt")] for p in glob.glob(glob.escape(prefix) + "*.pt"))
-    return sorted(int(tail) for tail in tails if tail.isdigit())
-
-
-def find_part_files(path: str) -> List[str]:
-    """The part files of checkpoint ``path`` (the ``--path`` given to fairseq), in rank order.
-
-    A checkpoint saved at model-parallel size 1 is the file itself (the only
-    kind a name not ending in ``.pt`` can name: fairseq's part names replace
-    the ``.pt``).
-
-    Raises:
-        FileNotFoundError: neither ``path`` nor any ``<path>-model_part-K.pt`` exists.
-        CheckpointError: ``path`` is a directory, the part numbers have a
-            gap, or ``path`` and part files both exist (checkpoints of two
-            sizes under one name: which one was meant cannot be told).
-    """
-    if os.path.isdir(path):
-        raise CheckpointError(f"{path} is a directory, not a checkpoint: name a checkpoint in it, such as "
-                              f"{os.path.join(path, 'checkpoint_best.pt')}")
-    ranks = _part_ranks(path)
-    if os.path.exists(path):
-        if ranks:
-            raise CheckpointError(
-                f"{path} and model part file(s) {part_path(path, ranks[0])} ... {part_path(path, ranks[-1])} "
-                f"both exist: checkpoints of two model-parallel sizes under one name; move away the one not meant"
-            )
-        return [path]
-    if not ranks:
-        parts = f" and no model part files {part_path(path, 0)}, ..." if path.endswith(".pt") else ""
-        raise FileNotFoundError(f"no checkpoint {path}{parts}")
-    missing = sorted(set(range(ranks[-1] + 1)) - set(ranks))
-    if missing:
-        raise CheckpointError(f"model part file {part_path(path, missing[0])} is missing")
-    return [part_path(path, r) for r in ranks]
-
-
-def check_part_count(path: str, files: List[str], first: Optional[dict] = None) -> None:
-    """Raise CheckpointError where ``files`` (from :func:`find_part_files`)
-    are not as many as the model-parallel size checkpoint ``path`` records
-    (read from ``files[0]``, or ``first``, its loaded state): its last parts
-    were lost, which the part numbers alone cannot show."""
-    if first is None:
-        first = read_checkpoint(files[0])
-    recorded = int(config_value(model_config(first), "model_parallel_size", 1) or 1)
-    if files[0] != path and recorded > len(files):
-        raise CheckpointError(
-            f"model part file {part_path(path, len(files))} is missing: {path} was saved at "
-            f"model-parallel size {recorded}"
-        )
-    if recorded != len(files):
-        raise CheckpointError(
-            f"{path}: the checkpoint was saved at model-parallel size {recorded} but "
-            f"{len(files)} part file(s) exist"
-        )
-
-
-def check_output_name(output_path: str, outputs: List[str]) -> None:
-    """Raise CheckpointError where ``output_path`` or one of ``outputs`` is
-    a directory (checked before any work, not found at the final rename), or
-    where checkpoint files other than ``outputs`` (the files of one size)
-    exist under the name ``output_path``: writing would leave two sizes under
-    one name, which :func:`find_part_files` refuses to choose between; a
-    UsageError where a file stands in the output's directory path (see
-    :func:`check_directory_can_be_made`)."""
-    check_directory_can_be_made(os.path.dirname(os.path.abspath(output_path)), f"cannot write the output {output_path}")
-    for o in [output_path, *outputs]:
-        if os.path.isdir(o):
-            such_as = f": name a file in it, such as {os.path.join(o, 'model.pt')}" if o == output_path else ""
-            raise CheckpointError(f"the output {o} is a directory{such_as}")
-    existing = ([output_path] if os.path.exists(output_path) else []) + [
-        part_path(output_path, r) for r in _part_ranks(output_path)]  # an export may be named freely
-    stale = [f for f in existing if f not in outputs]
-    if stale:
-        raise CheckpointError(f"{stale[0]} exists under the output name {output_path} and is not one of the "
-                              f"files to write: the name would hold two model-parallel sizes; choose another "
-                              f"output or remove it")
 
 
 # ------------------------------------------------------------------ configs
@@ -223,27 +117,6 @@ def _load(path: str, mmap: bool = True) -> dict:
     return state
 
 
-def _can_be_memory_mapped(path: str) -> bool:
-    """False for files that ``torch.save`` wrote before PyTorch 1.6 (the
-    legacy format, not a zip archive): ``torch.load(mmap=True)`` refuses them."""
-    return zipfile.is_zipfile(path)
-
-
-def check_complete(files: Iterable[str]) -> None:
-    """Raise CheckpointError for a checkpoint file cut short (a copy or save
-    that stopped early): a zip archive, torch's format since 1.6, whose
-    directory, written last, is missing; or an empty file. Reads only the
-    start and end of each file, so every rank can check every part before
-    any of them loads one."""
-    for path in files:
-        with open(path, "rb") as f:
-            head = f.read(4)
-        if not head:
-            raise CheckpointError(f"{path} is empty")
-        if head == b"PK\x03\x04" and not zipfile.is_zipfile(path):
-            raise CheckpointError(f"{path} is truncated: the zip archive's directory, which torch writes last, "
-                                  f"is missing (was the file still being saved or copied?)")
-
 
 def saved_vocabulary(path: str) -> Tuple[Optional[int], Optional[int]]:
     """``(rows, dictionary_size)`` of checkpoint file ``path``: the rows of its
@@ -252,7 +125,7 @@ def saved_vocabulary(path: str) -> Tuple[Optional[int], Optional[int]]:
     through a memory map without loading the tensors. Each is None when
     unknown: a file in the legacy format, without that tensor, or saved
     before the dictionary size was recorded."""
-    if not _can_be_memory_mapped(path):
+    if not can_be_memory_mapped(path):
         return None, None
     state = _load(path)
     embedding = state["model"].get(EMBED_KEYS[0])
@@ -268,7 +141,27 @@ def read_checkpoint(path: str) -> dict:
         CheckpointError: unreadable (truncated, not a torch file) or not a
             fairseq checkpoint.
     """
-    return _load(path, mmap=_can_be_memory_mapped(path))
+    return _load(path, mmap=can_be_memory_mapped(path))
+
+
+def check_part_count(path: str, files: List[str], first: Optional[dict] = None) -> None:
+    """Raise CheckpointError where ``files`` (from :func:`find_part_files`)
+    are not as many as the model-parallel size checkpoint ``path`` records
+    (read from ``files[0]``, or ``first``, its loaded state): its last parts
+    were lost, which the part numbers alone cannot show."""
+    if first is None:
+        first = read_checkpoint(files[0])
+    recorded = int(config_value(model_config(first), "model_parallel_size", 1) or 1)
+    if files[0] != path and recorded > len(files):
+        raise CheckpointError(
+            f"model part file {part_path(path, len(files))} is missing: {path} was saved at "
+            f"model-parallel size {recorded}"
+        )
+    if recorded != len(files):
+        raise CheckpointError(
+            f"{path}: the checkpoint was saved at model-parallel size {recorded} but "
+            f"{len(files)} part file(s) exist"
+        )
 
 
 class PartFiles:
@@ -292,7 +185,7 @@ class PartFiles:
     def __init__(self, path: str, with_optimizer: bool = False):
         self.path = path
         self.files = find_part_files(path)
-        self.mmap = all(_can_be_memory_mapped(f) for f in self.files)
+        self.mmap = all(can_be_memory_mapped(f) for f in self.files)
         first = _load(self.files[0], self.mmap)
         self.keys = list(first["model"].keys())
         loaded = [first]
@@ -434,7 +327,7 @@ def _check_replicas(what: str, tensors: List[torch.Tensor]) -> None:
             )
 
 
-def _model_part(parts: PartFiles, rank: int, num_parts: int, check_replicas: bool,
+def model_part(parts: PartFiles, rank: int, num_parts: int, check_replicas: bool,
                 progress: Optional[Callable[[str], None]], entry: Optional[str] = None) -> Dict[str, torch.Tensor]:
     """The model state dict of part ``rank`` of ``num_parts``, layer by layer;
     with ``entry``, that state dict of ``extra_state`` instead (see
@@ -564,7 +457,7 @@ def without_part_specific_state(extra_state: Optional[dict]) -> dict:
     return {k: v for k, v in (extra_state or {}).items() if k not in dropped}
 
 
-def _prepare(input_path: str, output_path: str, outputs: List[str], with_optimizer: bool = False,
+def prepare_outputs(input_path: str, output_path: str, outputs: List[str], with_optimizer: bool = False,
              parts: Optional[PartFiles] = None) -> PartFiles:
     check_output_name(output_path, outputs)
     parts = parts or PartFiles(input_path, with_optimizer)
@@ -581,9 +474,9 @@ def _part_state(parts: PartFiles, rank: int, size: int, check_replicas: bool, wi
     EMA weights of ``--store-ema``), config recording the new size and padded
     vocabulary, and the optimizer state if ``with_optimizer``."""
     state = _metadata_for_size(parts.metadata)
-    state["model"] = _model_part(parts, rank, size, check_replicas, progress)
+    state["model"] = model_part(parts, rank, size, check_replicas, progress)
     for entry in parts.ema_entries:
-        state["extra_state"][entry] = _model_part(parts, rank, size, check_replicas, progress, entry)
+        state["extra_state"][entry] = model_part(parts, rank, size, check_replicas, progress, entry)
     if with_optimizer:
         state["last_optimizer_state"] = _optimizer_part(parts, rank, size, check_replicas, progress)
     set_model_parallel_size(state, size, parts.padded_vocab_size)
@@ -608,7 +501,7 @@ def resharded_model(input_path: str, rank: int, size: int,
     check_divisible(model_config(parts.metadata), parts.padded_vocab_size, size)
     if not 0 <= rank < size:
         raise CheckpointError(f"model part {rank} does not exist at model-parallel size {size}")
-    model = _model_part(parts, rank, size, check_replicas=True, progress=None, entry=entry)
+    model = model_part(parts, rank, size, check_replicas=True, progress=None, entry=entry)
     parts.release()
     return model, parts.padded_vocab_size
 
@@ -640,7 +533,7 @@ def reshard(input_path: str, output_path: str, new_size: int, verify: bool = Tru
             that cannot be split (see :func:`optimizer_state_per_parameter`).
     """
     outputs = output_paths(output_path, new_size)
-    parts = _prepare(input_path, output_path, outputs, with_optimizer, parts)
+    parts = prepare_outputs(input_path, output_path, outputs, with_optimizer, parts)
     check_divisible(model_config(parts.metadata), parts.padded_vocab_size, new_size)
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
     for rank, out in enumerate(outputs):
@@ -650,88 +543,3 @@ def reshard(input_path: str, output_path: str, new_size: int, verify: bool = Tru
         del state
         parts.release()
     return outputs
-
-
-# ------------------------------------------------------------------ stock fairseq
-
-
-def _plain(value):
-    """Config values as plain Python (no Namespace / omegaconf objects)."""
-    if isinstance(value, Namespace):
-        value = vars(value)
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    return str(value)
-
-
-def fairseq_transformer_lm_config(config, cfg: Optional[dict] = None) -> dict:
-    """Our model config translated to fairseq's ``transformer_lm`` dataclass config.
-
-    Keeps the fields ``TransformerLanguageModelConfig`` knows; fields that
-    fairseq fills by interpolation (``${task.tokens_per_sample}``,
-    ``${common.tpu}``) are resolved from the checkpoint's ``cfg`` (or the
-    field's type default), because the exported config stands alone.
-    """
-    from fairseq.models.transformer_lm import TransformerLanguageModelConfig
-
-    source = _plain(config)
-    cfg = cfg or {}
-    out = {}
-    for field in dataclasses.fields(TransformerLanguageModelConfig):
-        if field.name in source:
-            value = source[field.name]
-            if isinstance(value, bool) and field.type in (int, float, Optional[int], Optional[float]):
-                value = int(value)  # base_lm_architecture sets some int fields to False
-            out[field.name] = value
-            continue
-        default = field.default
-        m = re.fullmatch(r"\$\{(\w+)\.(\w+)\}", default) if isinstance(default, str) else None
-        if m:
-            out[field.name] = (cfg.get(m.group(1)) or {}).get(m.group(2), False if field.type is bool else None)
-    out["_name"] = "transformer_lm"
-    out["decoder_normalize_before"] = True  # every Megatron arch is pre-norm
-    return out
-
-
-def export_to_fairseq(input_path: str, output_path: str, vocab_size: Optional[int] = None,
-                      verify: bool = True, parts: Optional[PartFiles] = None) -> str:
-    """Write one checkpoint for fairseq's non-parallel ``transformer_lm``.
-
-    The result holds only tensors and plain Python values, so stock fairseq
-    loads it without ``--user-dir`` (and even with ``weights_only=True``).
-    ``vocab_size`` keeps only the first rows of the (padded) vocabulary: stock
-    fairseq builds its embedding with ``len(dictionary)`` rows, the size of
-    the data's dict.txt plus 4 special symbols. Rows beyond it belong to
-    ``madeupword`` padding symbols, which never occur in data; dropping them
-    removes their (small, after training) share of the softmax. ``parts``:
-    the input's :class:`PartFiles`, if already opened.
-
-    Raises:
-        CheckpointError: as :func:`reshard`, or ``vocab_size`` larger than the
-            checkpoint's vocabulary.
-    """
-    parts = _prepare(input_path, output_path, [output_path], parts=parts)
-    model = _model_part(parts, 0, 1, check_replicas=True, progress=None)
-    rows = parts.padded_vocab_size
-    if vocab_size is not None:
-        if vocab_size > rows:
-            raise CheckpointError(f"vocab size {vocab_size} is larger than the checkpoint's {rows} rows")
-        embed = model["decoder.embed_tokens.weight"][:vocab_size].clone()
-        for key in EMBED_KEYS:
-            if key in model:
-                model[key] = embed
-    cfg = _plain(parts.metadata.get("cfg") or {})
-    cfg["model"] = fairseq_transformer_lm_config(model_config(parts.metadata), cfg)
-    cfg.setdefault("common", {})["model_parallel_size"] = 1
-    cfg["criterion"] = {"_name": "cross_entropy", "sentence_avg": False}
-    history = _plain(parts.metadata.get("optimizer_history") or []) or [{"lr_scheduler_state": {}, "num_updates": 0}]
-    for entry in history:  # fairseq reads the last entry when it loads
-        entry["criterion_name"] = "CrossEntropyCriterion"
-    state = {"args": None, "cfg": cfg, "model": model, "optimizer_history": history, "extra_state": {}}
-    os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
-    save_verified(state, output_path, verify)
-    return output_path

@@ -5,7 +5,7 @@ fairseq's ``MegatronTrainer.clip_grad_norm``
 gradient norm, all-reduces the squares over the model-parallel group and
 takes the root. The parameters that every rank holds in full (layer norms,
 row-parallel biases, learned positions: the "replicated" rows of
-:mod:`fairseq_megatron.checkpoint_layout`) then count N times, so at
+:mod:`fairseq_megatron.checkpoint.layout`) then count N times, so at
 model-parallel size N the logged ``gnorm`` and the ``--clip-norm``
 coefficient differ from those of the same model at size 1. Megatron-LM
 counts such a parameter on one rank only (``megatron/core/optimizer/clip_grads.py``,
@@ -15,7 +15,7 @@ gives fairseq's optimizers an ``aggregate_norm_fn`` that does the same.
 fairseq's optimizer wrappers compute the local norm over their own copy of
 the gradients (a flat fp32 master buffer with ``--fp16``, the fp16 gradients
 with ``--memory-efficient-fp16``, fp32 gradients with a pending
-``1 / sample_size`` factor in :class:`~fairseq_megatron.fused_adam.FusedAdamW`),
+``1 / sample_size`` factor in :class:`~fairseq_megatron.training.fused_adam.FusedAdamW`),
 but always one scalar times the model's own ``p.grad``. So the aggregator
 measures, on the model's gradients, which share of this rank's squared norm
 belongs to replicated parameters, and scales that share by ``1 / N`` before
@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fairseq_megatron import parallel_state
-from fairseq_megatron.checkpoint_layout import partition_dim
+from fairseq_megatron.parallel import parallel_state
+from fairseq_megatron.checkpoint.layout import partition_dim
 
 
 def _squared_norm(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:

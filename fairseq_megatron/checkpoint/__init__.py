@@ -1,0 +1,3 @@
+"""Checkpoints in model parts: which tensors are split how, the part files of
+a checkpoint, resharding to another model-parallel size, and export to plain
+fairseq."""

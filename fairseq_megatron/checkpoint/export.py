@@ -1,0 +1,100 @@
+"""A single-file checkpoint for fairseq's own, non-parallel ``transformer_lm``
+(``fairseq-megatron-reshard --to-fairseq``)."""
+
+import dataclasses
+import os
+import re
+from argparse import Namespace
+from typing import Optional
+
+from fairseq_megatron.checkpoint.layout import CheckpointError
+from fairseq_megatron.checkpoint.resharding import (
+    EMBED_KEYS,
+    PartFiles,
+    model_config,
+    model_part,
+    prepare_outputs,
+    save_verified,
+)
+
+def _plain(value):
+    """Config values as plain Python (no Namespace / omegaconf objects)."""
+    if isinstance(value, Namespace):
+        value = vars(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+def fairseq_transformer_lm_config(config, cfg: Optional[dict] = None) -> dict:
+    """Our model config translated to fairseq's ``transformer_lm`` dataclass config.
+
+    Keeps the fields ``TransformerLanguageModelConfig`` knows; fields that
+    fairseq fills by interpolation (``${task.tokens_per_sample}``,
+    ``${common.tpu}``) are resolved from the checkpoint's ``cfg`` (or the
+    field's type default), because the exported config stands alone.
+    """
+    from fairseq.models.transformer_lm import TransformerLanguageModelConfig
+
+    source = _plain(config)
+    cfg = cfg or {}
+    out = {}
+    for field in dataclasses.fields(TransformerLanguageModelConfig):
+        if field.name in source:
+            value = source[field.name]
+            if isinstance(value, bool) and field.type in (int, float, Optional[int], Optional[float]):
+                value = int(value)  # base_lm_architecture sets some int fields to False
+            out[field.name] = value
+            continue
+        default = field.default
+        m = re.fullmatch(r"\$\{(\w+)\.(\w+)\}", default) if isinstance(default, str) else None
+        if m:
+            out[field.name] = (cfg.get(m.group(1)) or {}).get(m.group(2), False if field.type is bool else None)
+    out["_name"] = "transformer_lm"
+    out["decoder_normalize_before"] = True  # every Megatron arch is pre-norm
+    return out
+
+
+def export_to_fairseq(input_path: str, output_path: str, vocab_size: Optional[int] = None,
+                      verify: bool = True, parts: Optional[PartFiles] = None) -> str:
+    """Write one checkpoint for fairseq's non-parallel ``transformer_lm``.
+
+    The result holds only tensors and plain Python values, so stock fairseq
+    loads it without ``--user-dir`` (and even with ``weights_only=True``).
+    ``vocab_size`` keeps only the first rows of the (padded) vocabulary: stock
+    fairseq builds its embedding with ``len(dictionary)`` rows, the size of
+    the data's dict.txt plus 4 special symbols. Rows beyond it belong to
+    ``madeupword`` padding symbols, which never occur in data; dropping them
+    removes their (small, after training) share of the softmax. ``parts``:
+    the input's :class:`PartFiles`, if already opened.
+
+    Raises:
+        CheckpointError: as :func:`reshard`, or ``vocab_size`` larger than the
+            checkpoint's vocabulary.
+    """
+    parts = prepare_outputs(input_path, output_path, [output_path], parts=parts)
+    model = model_part(parts, 0, 1, check_replicas=True, progress=None)
+    rows = parts.padded_vocab_size
+    if vocab_size is not None:
+        if vocab_size > rows:
+            raise CheckpointError(f"vocab size {vocab_size} is larger than the checkpoint's {rows} rows")
+        embed = model["decoder.embed_tokens.weight"][:vocab_size].clone()
+        for key in EMBED_KEYS:
+            if key in model:
+                model[key] = embed
+    cfg = _plain(parts.metadata.get("cfg") or {})
+    cfg["model"] = fairseq_transformer_lm_config(model_config(parts.metadata), cfg)
+    cfg.setdefault("common", {})["model_parallel_size"] = 1
+    cfg["criterion"] = {"_name": "cross_entropy", "sentence_avg": False}
+    history = _plain(parts.metadata.get("optimizer_history") or []) or [{"lr_scheduler_state": {}, "num_updates": 0}]
+    for entry in history:  # fairseq reads the last entry when it loads
+        entry["criterion_name"] = "CrossEntropyCriterion"
+    state = {"args": None, "cfg": cfg, "model": model, "optimizer_history": history, "extra_state": {}}
+    os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
+    save_verified(state, output_path, verify)
+    return output_path
+

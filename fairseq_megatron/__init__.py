@@ -1,11 +1,37 @@
 """fairseq_megatron: Megatron-style tensor-model-parallel language models for fairseq.
 
 Load with ``--user-dir $(python -m fairseq_megatron.user_dir)``. Importing the
-package makes fairseq's ``--model-parallel-size`` work (see
-:mod:`fairseq_megatron.fairseq_integration`) and registers the
-``model_parallel_transformer_lm`` model, the ``transformer_lm_megatron`` and
-``transformer_lm_megatron_11b`` archs and the ``vocab_parallel_cross_entropy``
-criterion.
+package registers the ``model_parallel_transformer_lm`` model, the
+``transformer_lm_megatron`` and ``transformer_lm_megatron_11b`` archs, the
+``vocab_parallel_cross_entropy`` criterion and the ``language_modeling``
+task for them, and makes fairseq's ``--model-parallel-size`` work
+(:mod:`fairseq_megatron.fairseq_integration`).
+
+The package, by what each part is about: ``parallel/`` (process groups,
+communication, RNG streams, gradient norm), ``modules/`` (the parallel
+layers), ``models/`` (the model, its options, the registry),
+``criterions/``, ``checkpoint/`` (part files, resharding, export),
+``training/`` (fused AdamW, activation checkpointing, padding),
+``fairseq_integration/`` (where it meets fairseq), ``cli/`` (its commands),
+``hub.py`` (the Python API) and ``planner.py`` (cluster layouts).
+
+State travels on objects (the trainer, the task, the model, the datasets).
+The module-level state that changes at run time, each where nothing can
+carry it instead:
+
+- the process groups (:mod:`fairseq_megatron.parallel.parallel_state`, kept
+  by fairscale) and the RNG tracker (:mod:`fairseq_megatron.parallel.rng_tracker`):
+  Megatron's process-wide API, which fairseq imports as ``mpu``;
+- ``modules.sharding._deferred``: the layers' constructors, called by
+  fairseq's decoder, take no argument that could say "defer your draws";
+- ``modules.vocab_parallel_cross_entropy._COMPILED``: the compiled kernels, built once;
+- ``fairseq_integration.patching.REPLACEMENTS`` and
+  ``fairseq_integration._INSTALLED``: the replacements of fairseq functions,
+  made once per interpreter;
+- ``fairseq_integration.eval_lm._run`` and ``fairseq_integration.generate.collecting``:
+  fairseq-eval-lm's and fairseq-generate's ``main`` build their task,
+  progress bar and scorer themselves, with no argument through which the
+  run's settings could reach them.
 """
 
 import contextlib

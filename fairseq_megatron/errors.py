@@ -7,7 +7,7 @@ flags. Raised inside ``fairseq-train``, ``fairseq-eval-lm``,
 ``fairseq-generate`` or ``fairseq-interactive`` with ``--user-dir``, it
 reaches the user as one ``error: <message>`` line on standard error (one
 per process under torchrun) and exit status 1, instead of a traceback
-through fairseq (``fairseq_integration`` step 14); a Python program that
+through fairseq (:mod:`fairseq_megatron.fairseq_integration.one_line_errors`); a Python program that
 imports the package sees the exception as usual. A path that names nothing
 (``FileNotFoundError``, or a directory where a file was meant, or the
 reverse) is treated the same, whoever raised it. Set

@@ -217,7 +217,12 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
         raise PlanError(f"global batch {global_batch} is not a multiple of the micro batch {micro_batch}")
     if gpus % gpus_per_node != 0 and gpus > gpus_per_node:
         raise PlanError(f"{gpus} GPUs are not a whole number of nodes of {gpus_per_node}")
-    if tp is not None and (m.heads % tp or m.ffn % tp or gpus_per_node % tp):
+    from fairseq_megatron.models.options import undivided_dimension  # the model's rule for what TP must divide
+
+    def splits(t: int) -> bool:
+        return undivided_dimension(t, m.heads, m.ffn) is None and gpus_per_node % t == 0
+
+    if tp is not None and not splits(tp):
         raise PlanError(f"tensor-parallel size {tp} must divide heads {m.heads}, FFN {m.ffn} and the "
                         f"{gpus_per_node} GPUs of a node")
     if pp is not None and m.layers % pp:
@@ -228,7 +233,7 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
     layer_params //= m.layers
     layouts = []
     for t in [tp] if tp else _divisors(min(gpus_per_node, gpus)):
-        if m.heads % t or m.ffn % t or gpus_per_node % t:
+        if not splits(t):
             continue
         for p in [pp] if pp else _divisors(m.layers):
             if gpus % (t * p):

@@ -89,17 +89,21 @@ def padded_vocab(words: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+def model_shape(shape: dict, vocab_size: int):
+    """The planner's :class:`~fairseq_megatron.planner.ModelShape` of a
+    ``--shape`` entry with ``vocab_size`` embedding rows: a pre-norm decoder
+    with tied input/output embedding and sinusoidal positions. The planner
+    owns the parameter and FLOP counts; this script only reports them."""
+    sys.path.insert(0, REPO)  # the checkout this script belongs to, not an installed copy
+    from fairseq_megatron.planner import ModelShape
+
+    return ModelShape(shape["layers"], shape["hidden"], shape["heads"], shape["ffn"], vocab_size, shape["seq_len"])
+
+
 def count_params(shape: dict, vocab_size: int) -> int:
-    """Parameters of a pre-norm decoder with tied input/output embedding and
-    sinusoidal positions (what fairseq logs as "num. shared model params" at
-    model-parallel size 1)."""
-    d, f = shape["hidden"], shape["ffn"]
-    per_layer = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d  # attention, FFN, two layer norms
-    return vocab_size * d + shape["layers"] * per_layer + 2 * d  # + final layer norm
-
-
-def model_flops_per_token(shape: dict, params: int) -> float:
-    return 6 * params + 12 * shape["layers"] * shape["hidden"] * shape["seq_len"]
+    """Parameters at model-parallel size 1 (what fairseq logs as "num. shared
+    model params"), by the planner's count."""
+    return model_shape(shape, vocab_size).parameters()
 
 
 # ----------------------------------------------------------------- data
@@ -409,10 +413,11 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
     model_parallel_size = _model_parallel_size(args, impl)
     multiple = 8 * model_parallel_size  # fairseq-preprocess pads to 8; our model to 8 x its size
     params = count_params(shape, padded_vocab(shape["vocab"], multiple))
+    flops_per_token = model_shape(shape, padded_vocab(shape["vocab"], multiple)).flops_per_token()
     if model_parallel_size == 1 and logged_params is not None and logged_params != params:
         raise SystemExit(f"error: shape formula gives {params} parameters, fairseq logged {logged_params}")
     tokens_per_s = statistics.median(wps[-3:])
-    tflops = tokens_per_s * model_flops_per_token(shape, params) / 1e12
+    tflops = tokens_per_s * flops_per_token / 1e12
     eval_lm = run_eval_lm(args, impl, shape, data_dir, save_dir, use_cuda, model_parallel_size) if save_dir else {}
     precision = _precision(args, impl, use_cuda)
     label = f"{'ours' if impl == 'megatron' else 'fairseq'} {args.shape} mp{model_parallel_size} {precision}"
@@ -520,7 +525,7 @@ def run_anchor(args, work_dir: str, device: str):
         raise SystemExit(f"error: the anchor {args.with_anchor} failed, exit {proc.returncode}; log {log_path}:\n{tail}")
     _, tokens_per_s, peak_gib = found[-1]
     params = count_params(shape, ANCHOR_VOCAB)
-    tflops = float(tokens_per_s) * model_flops_per_token(shape, params) / 1e12
+    tflops = float(tokens_per_s) * model_shape(shape, ANCHOR_VOCAB).flops_per_token() / 1e12
     return {
         "date": datetime.date.today().isoformat(), "device": device,
         "label": f"compiled minimal GPT {args.shape}" + (f" {args.label}" if args.label else ""),

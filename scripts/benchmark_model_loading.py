@@ -7,22 +7,21 @@
 fairseq-eval-lm, -generate, -interactive, -validate and the hub load a
 checkpoint through ``fairseq.checkpoint_utils.load_model_ensemble_and_task``:
 it builds the model, then loads every parameter from the file. Building
-draws random initial weights that the load overwrites; the plugin skips
-them (``fairseq_integration`` step 26). This script writes a random fp16
+draws random initial weights that the load overwrites; our model defers
+them, and a strict load drops them (``ModelParallelTransformerLanguageModel.build_model``). This script writes a random fp16
 checkpoint of the given ``transformer_lm_megatron`` shape at model-parallel
 size 1 (default: 8 layers of Megatron-11b, 3072 hidden, FFN 18432, 32 heads,
 vocabulary 51200: 1.37B parameters), with the dict.txt of its task, reads it
 once into the page cache, then loads it ``--repeats`` times each way in
 fresh child processes, alternating: "skipped" is the plugin as installed,
-"drawn" the same with fairseq's function under step 26 (every other step in
-place). Prints each load's seconds and the median of each way.
+"drawn" the same with the model built as if no checkpoint could fill it
+(everything else in place). Prints each load's seconds and the median of each way.
 
 With ``--fairseq-train`` it times fairseq-train instead, from the start of
 its model build to the end of its ``Trainer.load_checkpoint`` (the process
 then exits, before any update), resuming from the same checkpoint with
 ``--restore-file`` on fairseq's dummy_lm task: "skipped" builds with the
-draws deferred and never runs them (step 27), "drawn" with fairseq's
-``models.build_model`` under step 27.
+draws deferred and never runs them, "drawn" builds drawing them.
 """
 
 import argparse
@@ -40,16 +39,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_reshard import model_shapes  # noqa: E402
 
-from fairseq_megatron.checkpoint.resharding import save_verified# noqa: E402
+from fairseq_megatron.checkpoint.resharding import save_verified  # noqa: E402
 
 _LOAD = (
     "import sys, time, torch\n"
     "torch.set_num_threads(int(sys.argv[3]))\n"
     "import fairseq_megatron\n"
     "from fairseq import checkpoint_utils\n"
+    "from fairseq_megatron.models import ModelParallelTransformerLanguageModel as LM\n"
     "load = checkpoint_utils.load_model_ensemble_and_task\n"
-    "if sys.argv[2] == 'drawn':\n"
-    "    load = load.__wrapped__  # the function step 26 wraps: the other steps stay\n"
+    "if sys.argv[2] == 'drawn':  # built as if no checkpoint could fill the weights\n"
+    "    LM.build_model = classmethod(lambda cls, args, task: cls._build(args, task))\n"
     "start = time.perf_counter()\n"
     "load([sys.argv[1]])\n"
     "print(time.perf_counter() - start)\n"
@@ -58,14 +58,15 @@ _LOAD = (
 # argv: checkpoint, way, threads, then fairseq-train's arguments
 _TRAIN = (
     "import logging, os, sys, time, torch\n"
-    "logging.basicConfig(level=logging.INFO)  # before any import configures it: step 27's line\n"
+    "logging.basicConfig(level=logging.INFO)  # before any import configures it: the trainer's line\n"
     "torch.set_num_threads(int(sys.argv[3]))\n"
     "import fairseq_megatron\n"
     "from fairseq import models\n"
-    "from fairseq.trainer import Trainer\n"
+    "from fairseq_megatron.fairseq_integration.trainer import MegatronTrainer as Trainer\n"
+    "from fairseq_megatron.models import ModelParallelTransformerLanguageModel as LM\n"
     "build, load, start = models.build_model, Trainer.load_checkpoint, []\n"
-    "if sys.argv[2] == 'drawn':\n"
-    "    build = build.__wrapped__  # the function step 27 wraps: the other steps stay\n"
+    "if sys.argv[2] == 'drawn':  # built as if no checkpoint could fill the weights\n"
+    "    LM.build_model = classmethod(lambda cls, args, task: cls._build(args, task))\n"
     "def timed_build(*args, **kwargs):\n"
     "    start.append(time.perf_counter())\n"
     "    return build(*args, **kwargs)\n"
@@ -176,7 +177,7 @@ def time_each_way(child: str, path: str, threads: int, child_args: list, repeats
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             if out.returncode != 0:
                 sys.exit(f"error: the {way} load failed:\n{out.stderr.strip()[-2000:]}")
-            # fairseq-train: step 27 logs when the checkpoint made the draws needless
+            # fairseq-train: the trainer logs when the checkpoint made the draws needless
             if child == _TRAIN and (way == "skipped") != ("initial weights were not drawn" in out.stderr):
                 sys.exit(f"error: the {way} run did not build as expected:\n{out.stderr.strip()[-2000:]}")
             times[way].append(float(out.stdout.split()[-1]))

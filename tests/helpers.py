@@ -225,18 +225,17 @@ def _ranks_to_their_end(cmd, nproc, timeout, stdin, cwd):
 
 
 def build_trainer(save_dir, fused: bool, model_parallel_size: int = 1, extra_args=(), cpu: bool = True):
-    """fairseq's trainer as fairseq-train builds it (``MegatronTrainer`` at
-    model-parallel size > 1; the caller has started torch.distributed) for a
+    """The trainer fairseq-train builds (our ``MegatronTrainer``, at any
+    model-parallel size; the caller has started torch.distributed) for a
     2 x 32 ``transformer_lm_megatron_11b`` with ``--bf16-autocast`` on
     fairseq's dummy_lm task, and its batch iterator. ``fused`` puts our
-    FusedAdamW inside fairseq's Adam on CPU, where fairseq keeps its own
-    (on a GPU fairseq's lookup builds it for the fp32 weights)."""
+    FusedAdamW inside fairseq's Adam on CPU, where the trainer keeps
+    fairseq's own (on a GPU it builds the fused one for the fp32 weights)."""
+    import fairseq_cli.train
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-    from fairseq.model_parallel.megatron_trainer import MegatronTrainer
-    from fairseq.trainer import Trainer
 
-    from fairseq_megatron.training.fused_adam import FusedAdamW
+    from fairseq_megatron.training.fused_adam import FairseqFusedAdam
 
     os.makedirs(save_dir, exist_ok=True)  # fairseq-train creates it; crash.pt goes there
     init_model_parallel(model_parallel_size, seed=3)
@@ -251,12 +250,13 @@ def build_trainer(save_dir, fused: bool, model_parallel_size: int = 1, extra_arg
     if model_parallel_size > 1:  # what fairseq's distributed_init adds
         cfg.checkpoint.checkpoint_suffix = f"-model_part-{dist.get_rank()}"
     task = tasks.setup_task(cfg.task)
-    trainer_cls = Trainer if model_parallel_size == 1 else MegatronTrainer  # as fairseq_cli/train.py chooses
+    # fairseq_cli/train.py's choice: Trainer at size 1, MegatronTrainer above (both our factory)
+    trainer_cls = fairseq_cli.train.Trainer if model_parallel_size == 1 else fairseq_cli.train.MegatronTrainer
     trainer = trainer_cls(cfg, task, task.build_model(cfg.model), task.build_criterion(cfg.criterion))
     wrapper = trainer.optimizer  # fairseq's FairseqAdam
     if fused and cpu:
-        params = [p for group in wrapper._optimizer.param_groups for p in group["params"]]
-        wrapper._optimizer = FusedAdamW(params, lr=1e-3, betas=(0.9, 0.999))
+        trainer._optimizer = FairseqFusedAdam(wrapper)
+        trainer._lr_scheduler.optimizer = trainer._optimizer
     task.load_dataset("train")
     batches = trainer.get_train_iterator(epoch=1).next_epoch_itr(shuffle=False)
     return trainer, batches

@@ -1,16 +1,14 @@
-"""fairseq's ``load_model_ensemble_and_task`` on our checkpoints
-(``fairseq_integration`` step 26): the model it builds for a checkpoint's
-weights draws no initial weights, and every parameter still comes from the
-checkpoint. In one process at model-parallel size 1; the tools that use it
+"""fairseq's ``load_model_ensemble_and_task`` on our checkpoints: the model
+it builds for a checkpoint's weights draws no initial weights, and every
+parameter still comes from the checkpoint. In one process at model-parallel size 1; the tools that use it
 at other sizes are tested end to end in test_end_to_end.py and
 test_eval_lm.py.
 
-And fairseq-train's model (step 27), built before fairseq-train knows
+And fairseq-train's model, built before fairseq-train knows
 whether a checkpoint will fill it: its draws are deferred, and when they run
 they give bitwise the weights, and the generator state, of a build that
 drew them, at model-parallel sizes 1 and 2."""
 
-import math
 import os
 from argparse import Namespace
 
@@ -77,10 +75,11 @@ def test_a_model_built_for_a_checkpoint_draws_no_initial_weights(tmp_path, nan_b
         assert torch.equal(loaded[name], tensor), name  # bitwise the checkpoint's, no NaN left
 
     # A load that may leave parameters unfilled (fairseq passes strict=False
-    # for --checkpoint-shard-count > 1) initialises them as before.
-    checkpoint_utils.load_model_ensemble_and_task([path], strict=False)
-    assert nan_before_loading[-1] == []
+    # for --checkpoint-shard-count > 1) draws them first (the model's
+    # load_state_dict runs the deferred draws), as a build that drew them would.
+    (model,), _, _ = checkpoint_utils.load_model_ensemble_and_task([path], strict=False)
     assert not torch.equal(torch.get_rng_state(), generator)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_a_weight_the_checkpoint_lacks_stops_the_load(tmp_path):
@@ -109,19 +108,6 @@ def test_two_checkpoints_in_one_path_are_an_ensemble_or_one_error_line(tmp_path)
         checkpoint_utils.load_model_ensemble_and_task([os.pathsep.join([paths[0], str(tmp_path / "c.pt")])])
 
 
-def test_initialisation_skipped_leaves_nan_and_the_generator_alone():
-    before = torch.get_rng_state()
-    shard = torch.zeros(4, 3)
-    with sharding.initialisation_skipped():
-        with sharding.initialisation_skipped():  # nests: the outer context still skips
-            pass
-        sharding.init_shard_(shard, (8, 3), 0, 1, 2, torch.nn.init.xavier_normal_)
-    assert torch.isnan(shard).all() and torch.equal(torch.get_rng_state(), before)
-    sharding.init_shard_(shard, (8, 3), 0, 1, 2, torch.nn.init.xavier_normal_)  # outside: drawn again
-    assert not torch.equal(torch.get_rng_state(), before)
-    assert torch.isfinite(shard).all() and 0 < shard.std().item() < 2 * math.sqrt(2 / (8 + 3))
-
-
 def test_loading_benchmark_runs_both_ways_on_a_tiny_shape(tmp_path):
     """scripts/benchmark_model_loading.py (its numbers are in the README)
     still runs: a tiny checkpoint, loaded once with the initial weights
@@ -143,7 +129,7 @@ def test_loading_benchmark_runs_both_ways_on_a_tiny_shape(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["dict.txt", "model.pt"]  # no temporary file left
 
     # --fairseq-train: fairseq-train resuming from it; the script checks that
-    # the skipped way logged step 27's line and the drawn way did not
+    # the skipped way logged the trainer's line and the drawn way did not
     proc = subprocess.run([sys.executable, script, "--work-dir", str(tmp_path), "--layers", "1", "--hidden", "64",
                            "--heads", "4", "--ffn", "128", "--vocab", "64", "--repeats", "1", "--fairseq-train"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, timeout=300)
@@ -208,23 +194,24 @@ def test_deferred_draws_give_each_rank_its_shard_at_model_parallel_size_2(tmp_pa
         assert both["different"] == [] and both["finite"] and both["same_generator"], rank
 
 
-def test_fairseq_train_builds_deferred_unless_the_build_draws_elsewhere(monkeypatch):
-    """Step 27's choice, through fairseq's ``models.build_model`` as fairseq-train
-    calls it: deferred for our architectures; built as before when another
-    module drew from the generator in the build (``--decoder-learned-pos``:
-    fairseq's learned positional embedding), and outside fairseq-train."""
+def test_fairseq_train_builds_deferred_unless_the_build_draws_elsewhere():
+    """The model's choice, through fairseq's ``models.build_model`` as
+    fairseq-train calls it: deferred for our architectures when the task says
+    a checkpoint may fill the weights (our task does in fairseq-train and for
+    every load of a checkpoint); built as before when another module drew
+    from the generator in the build (``--decoder-learned-pos``: fairseq's
+    learned positional embedding), and when no checkpoint may come."""
     from fairseq import models
 
-    from fairseq_megatron.fairseq_integration import checkpoint_files
-
-    def build(seed, **overrides):
+    def build(seed, may_be_loaded=True, **overrides):
         torch.manual_seed(seed)
         args = model_args(1, **overrides)
         args.arch = "transformer_lm_megatron_11b"
-        return models.build_model(args, LMTask(make_dictionary()))
+        task = LMTask(make_dictionary())
+        task.initial_weights_may_be_loaded = may_be_loaded
+        return models.build_model(args, task)
 
-    assert build(0).deferred_initialisation is None  # not in fairseq-train: drawn at once
-    monkeypatch.setattr(checkpoint_files, "_in_fairseq_train", True)
+    assert build(0, may_be_loaded=False).deferred_initialisation is None  # no checkpoint may come: drawn at once
     lazy = build(4)
     assert len(lazy.deferred_initialisation) == 14
     assert torch.isnan(lazy.decoder.layers[0].fc1.weight).all()
@@ -242,12 +229,9 @@ def test_fairseq_train_builds_deferred_unless_the_build_draws_elsewhere(monkeypa
         assert torch.equal(learned.state_dict()[name], tensor), name
 
 
-def test_a_strict_load_drops_the_deferred_draws_and_a_partial_load_runs_them_first(monkeypatch):
+def test_a_strict_load_drops_the_deferred_draws_and_a_partial_load_runs_them_first():
     from fairseq import models
 
-    from fairseq_megatron.fairseq_integration import checkpoint_files
-
-    monkeypatch.setattr(checkpoint_files, "_in_fairseq_train", True)
     trained, _ = build_model(1, seed=9)
     weights = trained.state_dict()
 
@@ -255,7 +239,9 @@ def test_a_strict_load_drops_the_deferred_draws_and_a_partial_load_runs_them_fir
         torch.manual_seed(4)
         args = model_args(1)
         args.arch = "transformer_lm_megatron_11b"
-        return models.build_model(args, LMTask(make_dictionary()))
+        task = LMTask(make_dictionary())
+        task.initial_weights_may_be_loaded = True
+        return models.build_model(args, task)
 
     model, before = deferred_model(), torch.get_rng_state()
     model.load_state_dict(weights)

@@ -195,7 +195,7 @@ def test_a_resumed_run_repeats_the_uninterrupted_one_with_dropout(trained, tmp_p
     the tensor-parallel region) and fairseq reseeds the others per update.
     fairseq issue 2681 reports resumed model-parallel runs that drift.
     The resumed run never drew the initial weights it would have thrown away
-    (fairseq_integration step 27). Tolerance: none beyond the 3 printed
+    (the model's deferred initialisation). Tolerance: none beyond the 3 printed
     decimals (same code, same order)."""
     logs = []
 
@@ -214,7 +214,7 @@ def test_a_resumed_run_repeats_the_uninterrupted_one_with_dropout(trained, tmp_p
 
 def test_a_new_run_starts_from_the_weights_a_build_from_its_seed_draws(trained, tmp_path):
     """fairseq-train defers the initial draws until it has found no
-    checkpoint (fairseq_integration step 27); they must still give the
+    checkpoint (deferred initialisation); they must still give the
     weights that building the model right after fairseq seeds the generator
     with ``--seed`` gives. With ``--lr 0`` the update moves no weight
     (Adam's step and weight decay are multiples of the learning rate), so
@@ -946,7 +946,7 @@ def test_one_part_file_as_path_is_refused(trained):
 
 def test_world_size_not_divisible_by_model_parallel_size(trained, tmp_path):
     """Refused before fairseq-train writes anything: the save dir is not
-    created (the one-process case created it, empty, before step 24)."""
+    created (the one-process case created it, empty, before fairseq-train's main checked the launch)."""
     save_dir = tmp_path / "never"
     args = train_args(trained["data"], str(save_dir), max_update=1)
     rc, out = fairseq("train", args, nproc=3, check=False)
@@ -1006,7 +1006,7 @@ def test_refused_options_stop_fairseq_train_before_it_writes(trained, tmp_path):
         "error: --scale-attn: not implemented by the model-parallel decoder; drop it (fairseq's own "
         "transformer_lm has it, without model parallelism)"), out[-3000:]
     assert not save_dir.exists()
-    rc, out = fairseq("train", args + ["--fp16"], check=False)  # checked before main writes (step 24)
+    rc, out = fairseq("train", args + ["--fp16"], check=False)  # checked before main writes
     assert rc == 1 and out.rstrip().splitlines()[-1].startswith("error: --fp16 needs a CUDA GPU"), out[-3000:]
     assert not save_dir.exists()
     # a file where --save-dir should be (fairseq's probe said "Not a directory: '<save-dir>/dummy'")
@@ -1360,10 +1360,10 @@ def test_an_interrupted_checkpoint_copy_leaves_the_old_file_whole(tmp_path, monk
     checkpoint) and ``checkpoint_best`` by copying the file it just saved,
     with ``PathManager.copy``; upstream that wrote the destination in place,
     so a copy cut short (the job killed, the disk full) left a truncated
-    ``checkpoint_last``. Here the copy stops half-way with an OSError: the
-    old file is still whole and no temporary file is left; an uninterrupted
-    copy replaces it."""
-    from fairseq.file_io import PathManager
+    ``checkpoint_last``. Our models' saves copy with ``copy_whole``: here the
+    copy stops half-way with an OSError, the old file is still whole and no
+    temporary file is left; an uninterrupted copy replaces it."""
+    from fairseq_megatron.fairseq_integration.checkpoint_utils import copy_whole
 
     src, dst = tmp_path / "checkpoint_1_4-model_part-0.pt", tmp_path / "checkpoint_last-model_part-0.pt"
     src.write_bytes(b"new" * 1000)
@@ -1377,11 +1377,11 @@ def test_an_interrupted_checkpoint_copy_leaves_the_old_file_whole(tmp_path, monk
 
     monkeypatch.setattr(shutil, "copyfile", copy_half)
     with pytest.raises(OSError, match="No space left on device"):
-        PathManager.copy(str(src), str(dst), overwrite=True)
+        copy_whole(str(src), str(dst))
     assert dst.read_bytes() == b"old" * 1000
     assert sorted(os.listdir(tmp_path)) == [src.name, dst.name]
     monkeypatch.undo()
-    assert PathManager.copy(str(src), str(dst), overwrite=True)
+    copy_whole(str(src), str(dst))
     assert dst.read_bytes() == b"new" * 1000 and sorted(os.listdir(tmp_path)) == [src.name, dst.name]
 
 

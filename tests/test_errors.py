@@ -8,7 +8,7 @@ import torch
 
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.errors import UsageError
-from fairseq_megatron.models.model_parallel_transformer_lm import check_dictionary_size
+from fairseq_megatron.models.options import check_dictionary_size
 from tests.helpers import build_model, init_model_parallel, make_batch, make_dictionary, run_distributed
 
 
@@ -98,11 +98,12 @@ def test_world_size_must_divide(tmp_path):
 
 
 def test_a_failed_fairseq_train_removes_only_the_empty_directories_it_made(tmp_path):
-    """The clean-up after a failed fairseq-train (fairseq_integration step
-    24): of ``runs/a/b``, made by the run, each directory goes while it is
-    empty; one holding a file (a part saved before the failure) stays, and so
-    does everything that existed before (``tmp_path``)."""
-    from fairseq_megatron.fairseq_integration.launch import directories_missing, remove_while_empty
+    """The clean-up after a failed fairseq-train of ours
+    (:mod:`fairseq_megatron.fairseq_integration.train`): of ``runs/a/b``, made
+    by the run, each directory goes while it is empty; one holding a file (a
+    part saved before the failure) stays, and so does everything that
+    existed before (``tmp_path``)."""
+    from fairseq_megatron.fairseq_integration.train import directories_missing, remove_while_empty
 
     made = directories_missing(str(tmp_path / "runs" / "a" / "b"))
     assert made == [str(tmp_path / "runs" / "a" / "b"), str(tmp_path / "runs" / "a"), str(tmp_path / "runs")]
@@ -130,12 +131,12 @@ def test_model_parallel_size_without_distributed_init():
 
 def test_training_precisions_that_fail_on_this_machine_are_refused(monkeypatch):
     """fairseq's --bf16 means TPU, and --fp16's optimizer needs CUDA: both
-    failed with tracebacks after the model was built (fairseq-train calls
-    this check first, fairseq_integration step 24)."""
+    failed with tracebacks after the model was built (fairseq-train's main
+    calls this check first)."""
     import importlib.util
     from argparse import Namespace
 
-    from fairseq_megatron.models.model_parallel_transformer_lm import check_training_precision
+    from fairseq_megatron.models.options import check_training_precision
 
     def common(**flags):
         fields = dict(bf16=False, memory_efficient_bf16=False, fp16=False, memory_efficient_fp16=False, cpu=False)

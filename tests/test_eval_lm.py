@@ -115,16 +115,11 @@ def fake_hypos(dictionary, bpe_ids, gen):
     return hypos
 
 
-def run_fairseqs_eval_lm(monkeypatch, post_process, remove_bos_token, seed, keep_words=False, **flags):
-    """fairseq's own ``eval_lm`` (unwrapped) over 4 batches of :func:`fake_hypos`
-    through a stubbed scorer, feeding a new tally: ``(tally, fairseq's result,
-    tokens in all hypotheses)``. With ``remove_bos_token`` each hypothesis
-    starts with BOS (fairseq asserts it)."""
-    import fairseq_cli.eval_lm as cli
-    from fairseq.sequence_scorer import SequenceScorer
-
-    from fairseq_megatron.fairseq_integration import eval_lm
-
+def fake_samples(seed: int, remove_bos_token: bool = False):
+    """A dictionary with two BPE continuation symbols, and 4 batches of
+    :func:`fake_hypos`, each carried by its sample for a stubbed scorer.
+    With ``remove_bos_token`` each hypothesis starts with BOS (fairseq
+    asserts it)."""
     dictionary = make_dictionary()
     bpe_ids = [dictionary.add_symbol("ab@@"), dictionary.add_symbol("cd@@")]
     gen = torch.Generator().manual_seed(seed)
@@ -135,30 +130,44 @@ def run_fairseqs_eval_lm(monkeypatch, post_process, remove_bos_token, seed, keep
                 hypo[0]["tokens"][0] = dictionary.bos()
     samples = [{"net_input": {}, "ntokens": 1, "id": torch.arange(3 * b, 3 * b + 3), "hypos": h}
                for b, h in enumerate(batches)]
+    return dictionary, samples
+
+
+def run_fairseqs_eval_lm(monkeypatch, post_process, remove_bos_token, seed, keep_words=False, **flags):
+    """fairseq's own ``eval_lm`` over 4 batches of :func:`fake_hypos`
+    through a stubbed scorer, and a tally fed the same hypotheses:
+    ``(tally, fairseq's result, tokens in all hypotheses)``."""
+    from fairseq.sequence_scorer import SequenceScorer
+
+    from fairseq_megatron.fairseq_integration import eval_lm
+    from fairseq_megatron.fairseq_integration.patching import original
+
+    dictionary, samples = fake_samples(seed, remove_bos_token)
     monkeypatch.setattr(SequenceScorer, "generate", lambda self, models, sample: sample["hypos"])
-    assert cli.SequenceScorer is eval_lm.TallyingSequenceScorer  # installed by the plugin
-    tally = eval_lm._ScoreTally(dictionary, post_process, remove_bos_token, torch.device("cpu"), keep_words)
-    monkeypatch.setattr(eval_lm, "_active_tally", tally)
-    fairseq_eval_lm = getattr(cli.eval_lm, "__wrapped__", cli.eval_lm)
+    fairseq_eval_lm = original(eval_lm._cli(), "eval_lm")
     result = fairseq_eval_lm([torch.nn.Linear(1, 1)], dictionary, samples, post_process=post_process,
                              target_dictionary=dictionary, remove_bos_token=remove_bos_token, **flags)
-    return tally, result, sum(hypo[0]["tokens"].numel() for h in batches for hypo in h)
+    tally = eval_lm._ScoreTally(dictionary, post_process, remove_bos_token, torch.device("cpu"), keep_words)
+    for sample in samples:
+        tally.add(sample["hypos"], sample["id"].tolist())
+    return tally, result, sum(hypo[0]["tokens"].numel() for sample in samples for hypo in sample["hypos"])
 
 
 @pytest.mark.parametrize("post_process,remove_bos_token", [(None, False), (None, True), ("@@ ", False)])
 def test_tally_reproduces_fairseqs_loss(monkeypatch, post_process, remove_bos_token):
-    """The sum and count the tally rebuilds from the scorer's hypotheses give
+    """The sum and count the tally takes from the scorer's hypotheses give
     the loss fairseq's own ``eval_lm`` prints, under its BOS and BPE rules
     (fed the same hypotheses through a stubbed scorer). Tolerance 1e-6
     relative: fairseq sums in float32, the tally in float64."""
     import math
 
     tally, result, all_tokens = run_fairseqs_eval_lm(monkeypatch, post_process, remove_bos_token, seed=0)
-    assert tally.count > 0 and tally.non_finite.item() == 0
-    tally_loss = -tally.log_prob_sum.item() / tally.count / math.log(2)
+    count = tally.count.item()
+    assert count > 0 and math.isfinite(tally.log_prob_sum.item())
+    tally_loss = -tally.log_prob_sum.item() / count / math.log(2)
     assert tally_loss == pytest.approx(float(result["loss"]), rel=1e-6)
     if post_process:  # continuations were there to skip
-        assert tally.count < all_tokens
+        assert count < all_tokens
 
 
 @pytest.mark.parametrize("post_process,remove_bos_token", [(None, False), (None, True), ("@@ ", False)])
@@ -181,32 +190,41 @@ def test_word_lines_reproduce_fairseqs(monkeypatch, caplog, post_process, remove
         assert any(line.split("\t")[3] == "True" for line in ours[12:]), ours[12:]
 
 
-def _sum_worker(rank, world_size, log_prob_sums, counts, loss_offsets):
+def _sum_worker(rank, world_size):
+    """Our ``eval_lm`` on this rank's shard (its own fake hypotheses), the
+    data sharded over the data-parallel group of all ranks; and fairseq's
+    own loss and token count of the same shard."""
     import math
+
+    from fairseq.sequence_scorer import SequenceScorer
 
     from fairseq_megatron.fairseq_integration import eval_lm
+    from fairseq_megatron.fairseq_integration.patching import original
+    from fairseq_megatron.parallel import parallel_state
+    from tests.helpers import build_model, init_model_parallel
 
-    tally = eval_lm._ScoreTally(make_dictionary(), None, False, torch.device("cpu"))
-    tally.log_prob_sum += log_prob_sums[rank]
-    tally.count = counts[rank]
-    own = -log_prob_sums[rank] / counts[rank] / math.log(2) + loss_offsets[rank]
-    results, tokens = eval_lm._sum_over_group(tally, {"loss": own, "perplexity": 2 ** own}, None)
-    return results["loss"], tokens
+    init_model_parallel(1)
+    model, _ = build_model(1)
+    dictionary, samples = fake_samples(seed=10 + rank)
+    SequenceScorer.generate = lambda self, models, sample: sample["hypos"]
+    own = original(eval_lm._cli(), "eval_lm")([model], dictionary, samples, target_dictionary=dictionary)
+    count = sum(hypo[0]["tokens"].numel() for sample in samples for hypo in sample["hypos"])
+    token = eval_lm._run.set(eval_lm.EvalLmRun(False, sharded_over=parallel_state.get_data_parallel_group()))
+    try:
+        summed = eval_lm.eval_lm([model], dictionary, samples, target_dictionary=dictionary)
+    finally:
+        eval_lm._run.reset(token)
+    return summed["loss"], float(own["loss"]) * count * math.log(2), count
 
 
-def test_groups_are_summed_or_left_alone(tmp_path):
-    """Two ranks (two data-parallel groups of one): the loss is that of all
-    tokens together; if one rank's tally does not reproduce its own loss,
-    every rank keeps its own. Either way the tokens counted are those of
-    all groups (none in all: fairseq-eval-lm then stops). Exact arithmetic
-    up to float64 rounding."""
+def test_the_loss_is_over_all_groups(tmp_path):
+    """Two ranks (two data-parallel groups of one), each scoring its own
+    shard: both return the loss of all tokens together, from fairseq's own
+    per-shard losses and counts. Tolerance 1e-6 relative: fairseq sums each
+    shard in float32, ours in float64."""
     import math
 
-    sums, counts = [-100.0, -50.0], [40, 10]
-    total = -(sums[0] + sums[1]) / (counts[0] + counts[1]) / math.log(2)
-    summed = run_distributed(_sum_worker, 2, tmp_path / "a", sums, counts, [0.0, 0.0])
-    assert [loss for loss, _ in summed] == pytest.approx([total] * 2)
-    own = [-s / c / math.log(2) for s, c in zip(sums, counts)]
-    mismatched = run_distributed(_sum_worker, 2, tmp_path / "b", sums, counts, [0.0, 0.01])
-    assert [loss for loss, _ in mismatched] == pytest.approx([own[0], own[1] + 0.01])
-    assert [tokens for _, tokens in summed + mismatched] == [50] * 4
+    results = run_distributed(_sum_worker, 2, tmp_path)
+    total = sum(nll for _, nll, _ in results) / sum(count for _, _, count in results) / math.log(2)
+    assert [loss for loss, _, _ in results] == pytest.approx([total] * 2, rel=1e-6)
+    assert results[0][1] / results[0][2] != pytest.approx(results[1][1] / results[1][2], rel=1e-3)  # shards differ

@@ -1,11 +1,10 @@
-"""The fused Adam that replaces fairseq's Python Adam when apex is absent."""
+"""The fused Adam that replaces fairseq's Python Adam for our models when apex is absent."""
 
 import pytest
 import torch
 from fairseq.optim.adam import Adam
 
-import fairseq_megatron  # noqa: F401  (installs the lookup)
-from fairseq_megatron.training.fused_adam import FusedAdamW, _build
+from fairseq_megatron.training.fused_adam import FairseqFusedAdam, FusedAdamW, fused_adam_applies
 
 
 def _steps(optimizer_cls, steps=5):
@@ -29,15 +28,35 @@ def test_same_updates_as_fairseq_adam():
     torch.testing.assert_close(_steps(FusedAdamW), _steps(Adam), rtol=0, atol=1e-5)
 
 
-def test_fairseq_adam_gets_the_lookup_and_falls_back_off_gpu():
+def _fairseq_adam(params, **flags):
+    from argparse import Namespace
+
+    from fairseq.optim.adam import FairseqAdam
+
+    config = dict(lr=[1e-3], adam_betas="(0.9, 0.999)", adam_eps=1e-8, weight_decay=0.0, use_old_adam=False,
+                  fp16_adam_stats=False, tpu=False)
+    config.update(flags)
+    return FairseqAdam(Namespace(**config), params), Namespace(optimizer=Namespace(**config))
+
+
+def test_fused_adamw_takes_over_fairseqs_adam_for_fp32_cuda_weights_only(monkeypatch):
+    """fairseq's own lookup is left alone (without apex fairseq runs its
+    Python Adam: stock fairseq unchanged); the trainer swaps in FusedAdamW
+    for fp32 CUDA weights, and keeps fairseq's Adam for CPU or fp16 weights
+    (--memory-efficient-fp16 keeps fp32 moments for fp16 weights) and for
+    fairseq's --use-old-adam."""
     import fairseq.optim.adam
 
-    build = fairseq.optim.adam.get_fused_adam_class()
-    assert build is not None, "fairseq would run its unfused Python Adam"
-    # CPU or fp16 parameters (--memory-efficient-fp16) keep fairseq's own Adam,
-    # which keeps fp32 moments for fp16 weights.
-    assert type(_build([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)) is Adam
-    assert type(_build([torch.nn.Parameter(torch.zeros(3, dtype=torch.half))], lr=1e-3)) is Adam
+    assert fairseq.optim.adam.get_fused_adam_class() is None  # no apex here, and no lookup of ours
+    cpu, cfg = _fairseq_adam([torch.nn.Parameter(torch.zeros(3))])
+    assert type(cpu._optimizer) is Adam and not fused_adam_applies(cpu, cfg)
+    half, cfg = _fairseq_adam([torch.nn.Parameter(torch.zeros(3, dtype=torch.half))])
+    assert not fused_adam_applies(half, cfg)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # as the weights of a GPU run
+    fp32, cfg = _fairseq_adam([torch.nn.Parameter(torch.zeros(3))])
+    assert fused_adam_applies(fp32, cfg)
+    assert not fused_adam_applies(fp32, _fairseq_adam([torch.nn.Parameter(torch.zeros(1))], use_old_adam=True)[1])
+    assert not fused_adam_applies(half, cfg) and not fused_adam_applies(None, cfg)
 
 
 def test_step_with_scale_divides_gradients():
@@ -98,25 +117,22 @@ def test_lazy_multiply_and_clip_match_eager():
 
 
 def test_fairseq_adam_routes_multiply_and_clip_to_fused():
-    """fairseq's FairseqAdam wrapper (the trainer's fp32 path) hands both
-    calls to FusedAdamW: the gradients are not rewritten, the norm includes
-    the factor; with fairseq's Adam inside, the gradients are multiplied."""
-    from argparse import Namespace
-
-    from fairseq.optim.adam import FairseqAdam
-
+    """fairseq's FairseqAdam wrapper over FusedAdamW (the trainer's fp32 path)
+    hands both calls to it: the gradients are not rewritten, the norm
+    includes the factor; with fairseq's Adam inside, the gradients are
+    multiplied."""
     p = torch.nn.Parameter(torch.ones(4))
-    wrapper = FairseqAdam(Namespace(lr=[1e-3], adam_betas="(0.9, 0.999)", adam_eps=1e-8, weight_decay=0.0,
-                                    use_old_adam=True, fp16_adam_stats=False, tpu=False), [p])
+    wrapper, _ = _fairseq_adam([p], use_old_adam=True)
     p.grad = torch.full((4,), 2.0)
     wrapper.multiply_grads(0.5)  # fairseq's own Adam inside: applied now
     assert torch.equal(p.grad, torch.ones(4))
 
-    wrapper._optimizer = FusedAdamW([p], lr=1e-3)
+    fused = FairseqFusedAdam(wrapper)
+    assert isinstance(fused._optimizer, FusedAdamW) and fused.param_groups[0]["params"] == [p]
     p.grad = torch.full((4,), 2.0)
-    wrapper.multiply_grads(0.5)
+    fused.multiply_grads(0.5)
     assert torch.equal(p.grad, torch.full((4,), 2.0))  # deferred to the step
-    assert wrapper.clip_grad_norm(0.0).item() == 2.0  # norm of the multiplied gradients (1, 1, 1, 1)
+    assert fused.clip_grad_norm(0.0).item() == 2.0  # norm of the multiplied gradients (1, 1, 1, 1)
 
 
 def _run(bad_steps=(), skip_check=True, steps=4, nonfinite=float("nan"), omitted=()):

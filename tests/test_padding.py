@@ -1,11 +1,11 @@
-"""fairseq_integration step 11: whether a batch holds padding is answered on
-the host (fairseq_megatron.training.padding), and the decoder takes that answer."""
+"""Whether a batch holds padding is answered on the host by our trainer
+(fairseq_megatron.training.padding), and the decoder takes that answer."""
 
 import types
 
 import torch
-from fairseq.trainer import Trainer
 
+from fairseq_megatron.fairseq_integration.trainer import MegatronTrainer
 from fairseq_megatron.training.padding import has_padding, mark_padding
 from tests.helpers import build_model, make_batch
 
@@ -25,14 +25,14 @@ def test_mark_is_read_only_while_valid():
 
 
 def _prepare(sample):
-    """Trainer._prepare_sample (as patched) on a CPU trainer: no device copy."""
+    """MegatronTrainer._prepare_sample on a CPU trainer: no device copy."""
     dictionary = types.SimpleNamespace(pad=lambda: PAD)
     trainer = types.SimpleNamespace(
         cfg=types.SimpleNamespace(common=types.SimpleNamespace(on_cpu_convert_precision=False)),
         cuda=False, tpu=False, _dummy_batch=None, _fp_convert_sample=lambda s: s,
         task=types.SimpleNamespace(source_dictionary=dictionary),
     )
-    prepared, is_dummy = Trainer._prepare_sample(trainer, sample)
+    prepared, is_dummy = MegatronTrainer._prepare_sample(trainer, sample)
     assert not is_dummy
     return prepared["net_input"]["src_tokens"]
 

@@ -1,6 +1,6 @@
-"""fairseq_integration steps 9 and 10: the trainer's per-step statistics
-without waiting for the device log what fairseq's own ``_reduce_and_log_stats``
-logs and return the same dictionary; prefetch threads stop before exit."""
+"""Our trainer's per-step statistics, without waiting for the device, log
+what fairseq's own ``_reduce_and_log_stats`` logs and return the same
+dictionary; prefetch threads stop before exit."""
 
 import types
 
@@ -10,7 +10,7 @@ from fairseq.criterions.cross_entropy import CrossEntropyCriterion
 from fairseq.logging import metrics
 from fairseq.trainer import Trainer
 
-import fairseq_megatron  # noqa: F401  (installs the integration)
+from fairseq_megatron.fairseq_integration.trainer import MegatronTrainer
 
 
 def _fake_trainer(clip_norm: float):
@@ -38,9 +38,9 @@ def _one_step(reduce_and_log_stats, clip_norm: float):
 
 @pytest.mark.parametrize("clip_norm", [0.0, 1.0, 5.0])  # no clipping; the norm 3.75 clipped; not
 def test_same_meters_and_dictionary_as_fairseq(clip_norm):
-    patched = Trainer._reduce_and_log_stats
-    fairseq_own = patched.__wrapped__
-    assert fairseq_own is not patched, "the integration did not replace the method"
+    patched = MegatronTrainer._reduce_and_log_stats
+    fairseq_own = Trainer._reduce_and_log_stats
+    assert fairseq_own is not patched, "the trainer did not override the method"
     ours, ours_logged = _one_step(patched, clip_norm)
     theirs, theirs_logged = _one_step(fairseq_own, clip_norm)
     assert ours == theirs
@@ -58,14 +58,14 @@ def test_validation_calls_keep_fairseqs_body():
     trainer = _fake_trainer(0.0)
     outputs = [{"loss": torch.tensor(6.0), "ntokens": 3, "nsentences": 1, "sample_size": 3}]
     with metrics.aggregate(new_root=True):
-        returned = Trainer._reduce_and_log_stats(trainer, outputs, 3)
+        returned = MegatronTrainer._reduce_and_log_stats(trainer, outputs, 3)
     assert isinstance(returned, dict) and returned["sample_size"] == 3
 
 
 def test_prefetch_threads_stop_before_exit():
     """fairseq's BufferedIterator keeps a daemon thread collating batches after
-    a run stops early; the exit hook (fairseq_integration step 10) stops and
-    joins it, also when its queue is full."""
+    a run stops early; the exit hook our trainer registers stops and joins
+    it, also when its queue is full."""
     from fairseq.data import iterators
 
     from fairseq_megatron.fairseq_integration import trainer as trainer_steps
@@ -83,9 +83,6 @@ def test_prefetch_threads_stop_before_exit():
     assert torch.equal(first, torch.zeros(4))
     thread = buffered._consumer
     assert thread.is_alive()  # blocked on its full queue, as after a run that stopped early
-    try:
-        trainer_steps.stop_prefetch_threads(timeout=10)
-        assert not thread.is_alive()
-        assert len(produced) < 1000, "the thread ran to the end instead of stopping"
-    finally:
-        trainer_steps._stop_prefetching.clear()
+    trainer_steps.stop_prefetch_threads(timeout=10)
+    assert not thread.is_alive()
+    assert len(produced) < 1000, "the thread ran to the end instead of stopping"

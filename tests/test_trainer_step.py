@@ -1,7 +1,7 @@
-"""fairseq's own ``Trainer.train_step`` with our model (model-parallel size
-1, ``--bf16-autocast``, the fused AdamW a GPU run gets): what the host reads
-from tensors during a step, and fairseq_integration step 12 (non-finite
-gradients skipped on the device, the error raised one update later).
+"""fairseq's ``Trainer.train_step`` in our ``MegatronTrainer`` (model-parallel
+size 1, ``--bf16-autocast``, the fused AdamW a GPU run gets): what the host
+reads from tensors during a step, and non-finite gradients skipped on the
+device (the error raised one update later).
 
 On a GPU every host read of a device tensor (``bool(t)``, ``t.item()``)
 waits for all queued work. On CPU nothing waits, but the reads are still
@@ -22,22 +22,21 @@ import torch
 from tests.helpers import build_trainer, run_distributed
 
 # Reads that stay on the host on any device: the padding test of the batch
-# while it is still on the CPU (fairseq_integration step 11, in its trainer.py;
-# fairseq's own trainer.py names its method _prepare_sample); fairseq's
+# while it is still on the CPU (padding_tested_on_the_host, called by
+# MegatronTrainer._prepare_sample); fairseq's
 # sinusoidal positions, which take the batch shape as a CPU tensor
 # (torch.onnx.operators.shape_as_tensor) and compare it with ints; and the
 # previous update's skip flag, a pinned host copy read after waiting for that
 # update's kernel only (fused_adam._HostCopy).
-HOST_ONLY_READS = ("trainer.py:prepare_sample", "sinusoidal_positional_embedding.py:forward",
+HOST_ONLY_READS = ("trainer.py:padding_tested_on_the_host", "sinusoidal_positional_embedding.py:forward",
                    "fused_adam.py:read")
 
 
 def _reads_worker(rank, world_size, save_dir, extra_args):
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import fairseq.trainer
-    from fairseq_megatron.training import activation_checkpointing as checkpoint_activations
-    from fairseq_megatron.fairseq_integration.patching import TorchStandIn
+    from fairseq_megatron.fairseq_integration.trainer import MegatronTrainer, _NormCheckedOnTheDevice
+    from fairseq_megatron.training import activation_checkpointing
 
     class HostReads(TorchDispatchMode):
         def __init__(self):
@@ -58,17 +57,21 @@ def _reads_worker(rank, world_size, save_dir, extra_args):
     trainer, batches = build_trainer(save_dir, True, world_size, extra_args)
     trainer.train_step([next(batches)])  # the first step builds and warms up
     ours = unexpected_reads(trainer, next(batches))
-    # Control: fairseq's own finiteness test restored (step 12 undone).
-    cls = type(trainer)
-    patched_clip, patched_torch = cls.__dict__["clip_grad_norm"], fairseq.trainer.torch
-    cls.clip_grad_norm, fairseq.trainer.torch = patched_clip.__wrapped__, torch
+    # Control: the norm as a plain tensor, which fairseq's own finiteness test reads.
+    norms = []
+
+    def plain_norm(clip_norm):
+        norms.append(MegatronTrainer.clip_grad_norm(trainer, clip_norm))
+        return norms[-1].as_subclass(torch.Tensor)
+
+    trainer.clip_grad_norm = plain_norm
     try:
         theirs = unexpected_reads(trainer, next(batches))
     finally:
-        cls.clip_grad_norm, fairseq.trainer.torch = patched_clip, patched_torch
-    assert isinstance(patched_torch, TorchStandIn)
+        del trainer.clip_grad_norm
+    assert isinstance(norms[0], _NormCheckedOnTheDevice)
     decoder = trainer.get_model().decoder
-    checkpointed = getattr(decoder.layers[0].forward, "func", None) is checkpoint_activations._checkpointed_forward
+    checkpointed = getattr(decoder.layers[0].forward, "func", None) is activation_checkpointing._checkpointed_forward
     ran_as = (type(trainer).__name__, decoder.sequence_parallel, checkpointed)
     return ours, theirs, ran_as
 
@@ -80,10 +83,10 @@ def _reads_worker(rank, world_size, save_dir, extra_args):
 def test_a_training_step_reads_nothing_from_the_device(tmp_path, model_parallel_size, extra_args):
     """After the warm-up step, a training step reads no tensor on the host
     except the host-only sites named above; with fairseq's own finiteness
-    test restored the same step reads the gradient norm in train_step
-    (the control: this test sees such a read). At size 2 on every rank."""
+    test given a plain norm the same step reads it in train_step (the
+    control: this test sees such a read). At size 2 on every rank."""
     results = run_distributed(_reads_worker, model_parallel_size, tmp_path, str(tmp_path / "ckpt"), extra_args)
-    expected = ("Trainer", False, False) if model_parallel_size == 1 else ("MegatronTrainer", True, True)
+    expected = ("MegatronTrainer", False, False) if model_parallel_size == 1 else ("MegatronTrainer", True, True)
     for ours, theirs, ran_as in results:
         assert ran_as == expected
         assert ours == [], f"host reads in a training step: {ours}"

@@ -94,14 +94,15 @@ def set_model_parallel_size(state: dict, size: int, padded_vocab_size: int) -> N
 
 
 def check_divisible(config, padded_vocab_size: int, size: int) -> None:
-    """Raise CheckpointError unless ``size`` divides heads, FFN size and the padded vocabulary."""
-    for what, n in (
-        ("attention heads", config_value(config, "decoder_attention_heads")),
-        ("FFN size", config_value(config, "decoder_ffn_embed_dim")),
-        ("padded vocabulary", padded_vocab_size),
-    ):
-        if n is not None and int(n) % size != 0:
-            raise CheckpointError(f"model-parallel size {size} does not divide the {what} ({n})")
+    """Raise CheckpointError unless ``size`` divides heads, FFN size and the
+    padded vocabulary (:func:`fairseq_megatron.models.options.split_dimensions`)."""
+    from fairseq_megatron.models.options import undivided_dimension
+
+    undivided = undivided_dimension(size, config_value(config, "decoder_attention_heads"),
+                                    config_value(config, "decoder_ffn_embed_dim"), padded_vocab_size)
+    if undivided is not None:
+        what, _, n = undivided
+        raise CheckpointError(f"model-parallel size {size} does not divide the {what} ({n})")
 
 
 # ------------------------------------------------------------------ reading

@@ -24,13 +24,12 @@ Two more differences from the stock tool, both for our architectures only:
   tools load them at any model-parallel size.
 - Bad input (:class:`~fairseq_megatron.errors.UsageError`, a missing
   file) ends as one ``error: ...`` line and exit status 1, as in
-  fairseq-train (``fairseq_integration`` step 14), instead of Hydra's
+  fairseq-train (:mod:`fairseq_megatron.fairseq_integration.one_line_errors`), instead of Hydra's
   report with a traceback; bad model options end it before fairseq
   creates ``checkpoint.save_dir``, and so does a model-parallel size
-  without the processes for it (``fairseq_integration`` step 24).
+  without the processes for it (:mod:`fairseq_megatron.fairseq_integration.train`).
 """
 
-import functools
 import sys
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -91,40 +90,41 @@ def check_model_options(cfg: DictConfig) -> None:
     ARCH_CONFIG_REGISTRY[model._name](Namespace(**OmegaConf.to_container(model, resolve=True)))
 
 
-def _install_into(hydra_train) -> None:
-    """Wrap the two functions of module ``fairseq_cli.hydra_train`` that
-    its ``hydra_main`` looks up at call time."""
-    original_add_defaults = hydra_train.add_defaults
+def hydra_main(cfg: DictConfig) -> float:
+    """fairseq's ``hydra_main`` (``fairseq_cli/hydra_train.py``) with our run
+    settings and model checks after fairseq's defaults, and our bad-input
+    errors as one line (Hydra would report them with a traceback)."""
+    from fairseq.dataclass.initialize import add_defaults
+    from fairseq_cli import hydra_train
 
-    @functools.wraps(original_add_defaults)
-    def add_defaults(cfg):
-        original_add_defaults(cfg)
+    from fairseq_megatron.fairseq_integration.one_line_errors import printed_as_one_line
+
+    try:
+        add_defaults(cfg)
         with_run_settings(cfg)
         check_model_options(cfg)
-
-    original_hydra_main = hydra_train._hydra_main
-
-    @functools.wraps(original_hydra_main)
-    def _hydra_main(cfg, **kwargs):
-        from fairseq_megatron.fairseq_integration.one_line_errors import printed_as_one_line
-
-        try:
-            return original_hydra_main(cfg, **kwargs)
-        except Exception as error:  # Hydra would report it with a traceback
-            if printed_as_one_line(error):
-                sys.exit(1)
-            raise
-
-    hydra_train.add_defaults = add_defaults
-    hydra_train._hydra_main = _hydra_main
+        return hydra_train._hydra_main(cfg)
+    except Exception as error:
+        if printed_as_one_line(error):
+            sys.exit(1)
+        raise
 
 
 def main() -> None:
-    import fairseq_megatron  # noqa: F401  (installs the plugin before fairseq reads the config)
-    from fairseq_cli import hydra_train
+    """fairseq's ``cli_main`` of ``fairseq_cli/hydra_train.py``, running :func:`hydra_main`."""
+    import hydra
 
-    _install_into(hydra_train)
-    hydra_train.cli_main()
+    import fairseq_megatron  # noqa: F401  (installs the plugin before fairseq reads the config)
+    from fairseq.dataclass.initialize import hydra_init
+
+    try:
+        from hydra._internal.utils import get_args
+
+        config_name = get_args().config_name or "config"
+    except Exception:  # as fairseq's: Hydra's argument parser is internal
+        config_name = "config"
+    hydra_init(config_name)
+    hydra.main(config_path="pkg://fairseq.config", config_name="config")(hydra_main)()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from fairseq_megatron.checkpoint.resharding import (
     reshard,
 )
 from fairseq_megatron.errors import UsageError
-from fairseq_megatron.models.model_parallel_transformer_lm import check_dictionary_size
+from fairseq_megatron.models.options import check_dictionary_size
 
 
 def export_vocabulary_size(parts: PartFiles, dict_path: Optional[str]) -> Optional[int]:

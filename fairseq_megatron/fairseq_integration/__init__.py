@@ -1,89 +1,90 @@
-"""Everything the plugin changes in an installed fairseq 0.12.
+"""Where this package meets fairseq 0.12, one module per fairseq object it extends.
 
-Called once by ``import fairseq_megatron`` (which ``--user-dir`` triggers in
-every process, before fairseq initialises torch.distributed). Each step
-fixes one fact listed in the project's FAIRSEQ_FACTS.md, or a fairseq bug
-that model parallelism runs into; the modules of this package group the
-steps by what they are about, and each module's docstring says, step by
-step, what fairseq did and what it does now. Other files cite them as
-"fairseq_integration step N". In the order :func:`install` applies them:
+Through fairseq's own extension points:
 
- 1. :func:`megatron_submodule.provide_mpu`
- 2. :func:`megatron_submodule.enable_megatron_trainer`
- 3. :func:`launch.launch_on_cpu`
- 4. :func:`checkpoint_files.trusted_checkpoint_loading`
- 5. :func:`evaluation.shard_by_data_parallel_rank`
- 6. :func:`generate_and_interactive.model_parallel_generate`
- 7. :func:`launch.data_parallel_only`
- 8. :func:`trainer.fused_adam_without_apex`
- 9. :func:`trainer.step_log_without_device_wait`
-10. :func:`trainer.quiet_prefetch_threads_at_exit`
-11. :func:`trainer.padding_known_on_the_host`
-12. :func:`trainer.nonfinite_gradients_skipped_on_the_device`
-13. :func:`checkpoints_at_another_size.checkpoints_at_another_model_parallel_size`
-14. :func:`one_line_errors.one_line_errors`
-15. :func:`checkpoints_at_another_size.training_from_checkpoints_at_another_size`
-16. :func:`checkpoint_files.broadcast_from_a_rank_of_the_group`
-17. :func:`launch.spawned_processes_install_the_plugin`
-18. :func:`evaluation.fairseq_validate_across_ranks`
-19. :func:`evaluation.evaluation_scores_every_sample`
-20. :func:`checkpoint_files.resuming_at_another_data_parallel_size`
-21. :func:`checkpoint_files.keep_best_checkpoints_of_model_parts`
-22. :func:`checkpoint_files.checkpoint_copies_written_whole`
-23. :func:`checkpoint_files.part_names_under_directories_with_pt`
-24. :func:`launch.launch_checked_before_fairseq_train_writes`
-25. :func:`trainer.finished_training_left_as_it_is`
-26. :func:`checkpoint_files.models_for_a_checkpoint_skip_initialisation`
-27. :func:`checkpoint_files.training_draws_initial_weights_only_without_a_checkpoint`
+- :mod:`.trainer`: ``MegatronTrainer``, a subclass of fairseq's ``Trainer``
+  (fairseq's pattern for model parallelism), for our models at every
+  model-parallel size;
+- :mod:`.task`: a subclass of fairseq's ``language_modeling`` task,
+  registered under its name, that changes nothing until it has built one of
+  our models;
+- the model, its architectures and the criterion, registered under
+  fairseq's model-parallel names (:mod:`fairseq_megatron.models.registry`).
 
-:mod:`.patching` holds the means they share: stand-ins for a module as one
-fairseq module sees it, and names replaced in the ``fairseq_cli`` modules.
+Where no extension point reaches, :func:`install` replaces a fairseq
+attribute once, with a function that calls fairseq's own for anything that
+is not ours (:mod:`.patching` records each, with its reason;
+``docs/fairseq-changes.md`` lists them):
+
+- :mod:`.distributed`: the ``mpu`` module fairseq imports, its launch
+  (``call_main``) on machines without GPUs and for processes it spawns, and
+  gathering on CPU (``all_gather_list``);
+- :mod:`.checkpoint_utils`: trusted loading, checkpoints at another
+  model-parallel size, fine-tuning from part files, saving part files;
+- one module per fairseq tool: :mod:`.train`, :mod:`.eval_lm`,
+  :mod:`.generate`, :mod:`.interactive`;
+- :mod:`.one_line_errors`: our bad-input errors as one line
+  (``sys.excepthook``).
+
+Two of the replacements change fairseq for every model, because without them
+stock fairseq does not run here at all: trusted checkpoint loading under
+torch >= 2.6, and the launch of CPU processes (torchrun, SLURM, spawn).
+Everything else applies to our models, or to runs given ``--user-dir`` of
+this package.
 """
 
-from fairseq_megatron.fairseq_integration import (
-    checkpoint_files,
-    checkpoints_at_another_size,
-    evaluation,
-    generate_and_interactive,
-    launch,
-    megatron_submodule,
-    one_line_errors,
-    trainer,
-)
+from fairseq_megatron.errors import UsageError
 
-_INSTALLED = False
+SUPPORTED_FAIRSEQ = ("0.12.2", "0.12.3", "0.12.3.1")
+"""The fairseq releases this integration was written for: 0.12.2 and
+fairseq-fixed 0.12.3.1, the same code with Python 3.11 fixes (which reports
+itself as 0.12.3 or 0.12.3.1). The replaced functions' signatures are pinned
+by ``tests/test_fairseq_integration.py``."""
+
+_INSTALLED = False  # install() runs once per interpreter
+
+
+class UnsupportedFairseqError(UsageError):
+    """fairseq is not a release this package was written for."""
+
+
+def check_fairseq_version(version: str) -> None:
+    """Raises UnsupportedFairseqError unless ``version`` is in :data:`SUPPORTED_FAIRSEQ`."""
+    if version not in SUPPORTED_FAIRSEQ:
+        raise UnsupportedFairseqError(
+            f"fairseq {version} is installed; fairseq_megatron supports fairseq {', '.join(SUPPORTED_FAIRSEQ)} "
+            f"(pip install 'fairseq-fixed==0.12.3.1' on Python >= 3.11, 'fairseq==0.12.2' before)")
 
 
 def install() -> None:
-    """Apply all integration steps (idempotent)."""
+    """Check fairseq's version, register the task, and make the replacements
+    listed above (once per interpreter).
+
+    Raises:
+        UnsupportedFairseqError: another fairseq release.
+    """
     global _INSTALLED
     if _INSTALLED:
         return
-    megatron_submodule.provide_mpu()
-    megatron_submodule.enable_megatron_trainer()
-    launch.launch_on_cpu()
-    checkpoint_files.trusted_checkpoint_loading()
-    evaluation.shard_by_data_parallel_rank()
-    generate_and_interactive.model_parallel_generate()
-    launch.data_parallel_only()
-    trainer.fused_adam_without_apex()
-    trainer.step_log_without_device_wait()
-    trainer.quiet_prefetch_threads_at_exit()
-    trainer.padding_known_on_the_host()
-    trainer.nonfinite_gradients_skipped_on_the_device()
-    checkpoints_at_another_size.checkpoints_at_another_model_parallel_size()
-    one_line_errors.one_line_errors()
-    checkpoints_at_another_size.training_from_checkpoints_at_another_size()
-    checkpoint_files.broadcast_from_a_rank_of_the_group()
-    launch.spawned_processes_install_the_plugin()
-    evaluation.fairseq_validate_across_ranks()
-    evaluation.evaluation_scores_every_sample()
-    checkpoint_files.resuming_at_another_data_parallel_size()
-    checkpoint_files.keep_best_checkpoints_of_model_parts()
-    checkpoint_files.checkpoint_copies_written_whole()
-    checkpoint_files.part_names_under_directories_with_pt()
-    launch.launch_checked_before_fairseq_train_writes()
-    trainer.finished_training_left_as_it_is()
-    checkpoint_files.models_for_a_checkpoint_skip_initialisation()
-    checkpoint_files.training_draws_initial_weights_only_without_a_checkpoint()
+    import fairseq
+
+    check_fairseq_version(fairseq.__version__)
+    from fairseq_megatron.fairseq_integration import (
+        checkpoint_utils,
+        distributed,
+        eval_lm,
+        generate,
+        interactive,
+        one_line_errors,
+        task,  # noqa: F401  (registers the language_modeling task)
+        train,
+    )
+
+    distributed.install()
+    checkpoint_utils.install()
+    train.install()
+    eval_lm.install()
+    generate.install()
+    interactive.install()
+    one_line_errors.install()
     _INSTALLED = True

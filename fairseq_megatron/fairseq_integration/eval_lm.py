@@ -1,55 +1,56 @@
-"""fairseq-eval-lm over several data-parallel groups: one perplexity, the same at every world size.
+"""``fairseq-eval-lm`` (``fairseq_cli/eval_lm.py``) for our models: one
+perplexity, the same at every world size.
 
-Three upstream problems, found at world size 4 and model-parallel size 2 on
-CPU (two data-parallel groups), are fixed here:
+Found at world size 4 and model-parallel size 2 on CPU (two data-parallel
+groups):
 
-1. ``--context-window`` crashes with ``KeyError: 'net_input'`` when the
+1. ``--context-window`` crashed with ``KeyError: 'net_input'`` when the
    number of batches is not a multiple of the number of shards: fairseq pads
    the short shards with empty batches, which
    ``fairseq/data/lm_context_window_dataset.py`` cannot collate.
-2. The context itself is wrong as soon as batches are split. That dataset
+2. The context itself was wrong as soon as batches are split. That dataset
    keeps the previous tokens as state of its collater, so a shard that gets
    batches 0, 2, 4, ... (or a DataLoader worker that does, with
    ``--num-workers 2``) prefixes batch 2 with the end of batch 0 instead of
-   batch 1. Measured on the demo checkpoint (model-parallel size 2, blocks of
-   32 tokens, context 32, batch 8): base-2 loss 6.8070 in one process,
-   6.8210 with ``--num-workers 2``.
-3. Each group computes the perplexity of its own shard, and only global
-   rank 0 logs it: 6.9099 instead of 6.8070 for the run above at world
-   size 4, from half of the tokens. So were ``--output-word-probs`` and
-   ``--output-word-stats``: on the demo's valid split at world size 4,
-   5,884 of its 11,004 words in the word statistics.
+   batch 1.
+3. Each group computed the perplexity of its own shard, and only global
+   rank 0 logged it, from half of the tokens. So were ``--output-word-probs``
+   and ``--output-word-stats``.
 
 :class:`ContextWindowDataset` computes each sample's context from the
 samples before it in the dataset, not from what the collater saw last, so any
-sharding and any number of workers give the single-process batches;
-:func:`eval_lm_dataloader` uses it; :func:`eval_lm_over_data_parallel_groups`
-sums the log-probabilities and token counts of all groups before the loss is
+sharding and any number of workers give the single-process batches (the
+task's ``eval_lm_dataloader`` uses it); :func:`eval_lm` sums the
+log-probabilities and token counts of all groups before the loss is
 printed, and prints the words of all groups in one process's order.
 
-Every token is scored, or the run stops with one error line
-(:func:`with_settings_checked`): samples longer than the model's positions
-are refused unless ``--skip-invalid-size-inputs-valid-test`` is given
-(fairseq skipped them with a warning and printed the loss of the others:
-"Loss (base 2): 0.0000, Perplexity: 1.00" with all of them skipped), and so
-are a run that scored no token and a ``--context-window`` as long as the
-blocks (a ZeroDivisionError in fairseq's block dataset).
+Every token is scored, or the run stops with one error line: samples longer
+than the model's positions are refused unless
+``--skip-invalid-size-inputs-valid-test`` is given (fairseq skipped them
+with a warning and printed the loss of the others: "Loss (base 2): 0.0000,
+Perplexity: 1.00" with all of them skipped), and so are a run that scored no
+token and a ``--context-window`` as long as the blocks (a ZeroDivisionError
+in fairseq's block dataset). fairseq's ``main`` and ``eval_lm`` are
+replaced (:func:`install`); both call fairseq's own for other models.
 """
 
 import contextvars
-import functools
 import logging
 import math
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from fairseq import utils
 from fairseq.data import FairseqDataset
+from fairseq.logging.meters import StopwatchMeter
 from fairseq.sequence_scorer import SequenceScorer
 
-from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.errors import UsageError
+from fairseq_megatron.fairseq_integration.patching import original, replace_in_cli_module
+from fairseq_megatron.parallel import parallel_state
 
 logger = logging.getLogger(__name__)
 
@@ -154,108 +155,134 @@ class ContextWindowDataset(FairseqDataset):
         return self.dataset.prefetch(indices)
 
 
-# The group whose ranks got different shards of the last eval-lm data, set by
-# eval_lm_dataloader and read by eval_lm_over_data_parallel_groups (both run
-# once per fairseq-eval-lm process, in that order).
-_sharded_over = None
+@dataclass
+class EvalLmRun:
+    """What one fairseq-eval-lm run tells its task and its ``eval_lm``:
+    whether samples longer than the model's positions are skipped (the
+    task's ``eval_lm_dataloader`` refuses them otherwise) and the
+    data-parallel group the data was sharded over (None: one shard)."""
+
+    skip_invalid_size_inputs: bool
+    sharded_over: Optional[object] = None
 
 
-# Whether eval_lm_dataloader skips the samples longer than the model's
-# positions: fairseq-eval-lm's --skip-invalid-size-inputs-valid-test, set by
-# with_settings_checked (fairseq's own dataloader always skipped them).
-_skip_invalid_size_inputs = contextvars.ContextVar("skip_invalid_size_inputs", default=True)
+# The run in progress in this process. fairseq-eval-lm's main builds the task
+# and calls eval_lm itself, with no argument to hand them the run's settings;
+# main (replaced below) sets this, the task and eval_lm read it.
+_run: contextvars.ContextVar[Optional[EvalLmRun]] = contextvars.ContextVar("fairseq_eval_lm_run", default=None)
 
 
-def with_settings_checked(original_main, module=None):
-    """Wrap fairseq-eval-lm's ``main(cfg)`` so that every token is scored, or
-    the run stops with one line.
+def current_run() -> Optional[EvalLmRun]:
+    """The fairseq-eval-lm run in progress, or None outside one."""
+    return _run.get()
 
-    fairseq-eval-lm skipped the samples longer than the model's positions
-    with a warning, whatever ``--skip-invalid-size-inputs-valid-test`` said,
-    and printed the loss of the others (fairseq-validate refuses them unless
-    given that flag; so does this wrapper now). A ``--context-window`` as
-    long as ``--tokens-per-sample`` left blocks of no token, and failed in
-    fairseq's block dataset with ZeroDivisionError.
+
+def main(cfg, **kwargs):
+    """fairseq-eval-lm's ``main``, for the run's settings to reach its task
+    and :func:`eval_lm`.
 
     Raises:
-        UsageError: ``0 < context_window >= tokens_per_sample``; a sample too
-            long, without the flag (from fairseq's ``filter_indices_by_size``,
-            as fairseq_integration makes it raise).
+        UsageError: ``0 < context_window >= tokens_per_sample``.
     """
-
-    @functools.wraps(original_main)
-    def main(cfg, *args, **kwargs):
-        window = getattr(getattr(cfg, "eval_lm", cfg), "context_window", 0) or 0
-        block = getattr(getattr(cfg, "task", cfg), "tokens_per_sample", None)
-        if window > 0 and block is not None and window >= block:
-            raise UsageError(
-                f"--context-window {window} leaves no token to score in blocks of --tokens-per-sample {block}: "
-                f"each block scores tokens-per-sample minus context-window tokens"
-            )
-        skip = bool(getattr(getattr(cfg, "dataset", cfg), "skip_invalid_size_inputs_valid_test", False))
-        token = _skip_invalid_size_inputs.set(skip)
-        try:
-            return original_main(cfg, *args, **kwargs)
-        finally:
-            _skip_invalid_size_inputs.reset(token)
-
-    return main
-
-
-def _data_parallel_group_of(num_shards: int, shard_id: int):
-    """The data-parallel group when its ranks hold shards ``0 .. num_shards - 1``
-    (this rank: ``shard_id``), else None: one process, or ``--num-shards``
-    chosen by hand. (Under torch.distributed the groups always exist:
-    fairseq_integration creates them at model-parallel size 1 too.)"""
-    if num_shards <= 1 or not parallel_state.model_parallel_is_initialized():
-        return None
-    if (num_shards, shard_id) != (parallel_state.get_data_parallel_world_size(),
-                                  parallel_state.get_data_parallel_rank()):
-        return None
-    return parallel_state.get_data_parallel_group()
-
-
-def eval_lm_dataloader(
-    task,
-    dataset,
-    max_tokens: Optional[int] = 36000,
-    batch_size: Optional[int] = None,
-    max_positions: Optional[int] = None,
-    num_shards: int = 1,
-    shard_id: int = 0,
-    num_workers: int = 1,
-    data_buffer_size: int = 10,
-    context_window: int = 0,
-):
-    """``LanguageModelingTask.eval_lm_dataloader`` (fairseq/tasks/language_modeling.py)
-    with :class:`ContextWindowDataset` in place of fairseq's context dataset.
-
-    Under model parallelism, fairseq_integration maps fairseq-eval-lm's
-    ``num_shards`` = world size and ``shard_id`` = global rank to the
-    data-parallel size and rank before this runs. Returns fairseq's epoch
-    iterator over this shard's batches, and records the group the shards are
-    split over for :func:`eval_lm_over_data_parallel_groups`.
-    """
-    global _sharded_over
-    _sharded_over = _data_parallel_group_of(num_shards, shard_id)
-    if context_window > 0:
-        dataset = ContextWindowDataset(
-            dataset,
-            tokens_per_sample=task.args.tokens_per_sample,
-            context_window=context_window,
-            pad_idx=task.source_dictionary.pad(),
+    window = getattr(getattr(cfg, "eval_lm", cfg), "context_window", 0) or 0
+    block = getattr(getattr(cfg, "task", cfg), "tokens_per_sample", None)
+    if window > 0 and block is not None and window >= block:
+        raise UsageError(
+            f"--context-window {window} leaves no token to score in blocks of --tokens-per-sample {block}: "
+            f"each block scores tokens-per-sample minus context-window tokens"
         )
-    return task.get_batch_iterator(
-        dataset=dataset,
-        max_tokens=max_tokens,
-        max_sentences=batch_size,
-        max_positions=max_positions,
-        ignore_invalid_inputs=_skip_invalid_size_inputs.get(),
-        num_shards=num_shards,
-        shard_id=shard_id,
-        num_workers=num_workers,
-        data_buffer_size=data_buffer_size,
-    ).next_epoch_itr(shuffle=False)
+    skip = bool(getattr(getattr(cfg, "dataset", cfg), "skip_invalid_size_inputs_valid_test", False))
+    token = _run.set(EvalLmRun(skip_invalid_size_inputs=skip))
+    try:
+        return original(_cli(), "main")(cfg, **kwargs)
+    finally:
+        _run.reset(token)
+
+
+def _cli():
+    import fairseq_cli.eval_lm
+
+    return fairseq_cli.eval_lm
+
+
+def eval_lm(models, source_dictionary, batch_iterator, post_process=None, output_word_probs=False,
+            output_word_stats=False, target_dictionary=None, softmax_batch=0, remove_bos_token=False, device=None):
+    """fairseq's ``eval_lm`` over the data-parallel groups of our models.
+
+    With one shard it is fairseq's (the run only checks that a token was
+    scored). When the data was split over a data-parallel group of D > 1
+    ranks, the log-probabilities and token counts of every rank are summed
+    over the group before the loss, and ``--output-word-probs`` /
+    ``--output-word-stats`` print the words of the whole subset, as one
+    process would (:func:`_log_words_of_the_group`). The scoring rules are
+    fairseq's (:class:`_ScoreTally`); the sum is kept in float64.
+
+    Raises:
+        UsageError: no token was scored (in all shards).
+    """
+    from fairseq_megatron.fairseq_integration.trainer import is_our_model
+
+    fairseq_eval_lm = original(_cli(), "eval_lm")
+    run = current_run()
+    group = run.sharded_over if run is not None else None
+    if not is_our_model(models[0]):
+        return fairseq_eval_lm(models, source_dictionary, batch_iterator, post_process, output_word_probs,
+                               output_word_stats, target_dictionary, softmax_batch, remove_bos_token, device)
+    if group is None:
+        batches = _Counted(batch_iterator)
+        results = fairseq_eval_lm(models, source_dictionary, batches, post_process, output_word_probs,
+                                  output_word_stats, target_dictionary, softmax_batch, remove_bos_token, device)
+        _refuse_nothing_scored(batches.scored, models)
+        return results
+    target_dictionary = target_dictionary or source_dictionary
+    device = device or next(models[0].parameters()).device
+    scorer = SequenceScorer(target_dictionary, softmax_batch)
+    words = output_word_probs or output_word_stats
+    tally = _ScoreTally(source_dictionary, post_process, remove_bos_token, device, keep_words=words)
+    timer = StopwatchMeter()
+    for sample in batch_iterator:
+        if "net_input" not in sample:
+            continue
+        sample = utils.move_to_cuda(sample, device=device)
+        timer.start()
+        hypos = scorer.generate(models, sample)
+        timer.stop(sample["ntokens"])
+        tally.add(hypos, sample["id"].tolist())
+    logger.info("Evaluated {:,} tokens in {:.1f}s ({:.2f} tokens/s)".format(
+        timer.n, timer.sum, 1.0 / timer.avg if timer.avg > 0 else 0))
+    if words:
+        _log_words_of_the_group(tally.batches, group, output_word_probs, output_word_stats)
+    totals = torch.stack([tally.log_prob_sum, tally.count.to(torch.float64)])
+    dist.all_reduce(totals, group=group)
+    total_log_prob, total_count = totals.tolist()
+    _refuse_nothing_scored(total_count, models)
+    logger.info("eval-lm: %d data-parallel groups scored %s tokens together", dist.get_world_size(group),
+                f"{int(total_count):,}")
+    loss = -total_log_prob / total_count / math.log(2)
+    return {"loss": loss, "perplexity": 2 ** loss}
+
+
+class _Counted:
+    """An iterable of batches that counts the non-empty ones it yields."""
+
+    def __init__(self, batches):
+        self.batches, self.scored = batches, 0
+
+    def __iter__(self):
+        for sample in self.batches:
+            self.scored += "net_input" in sample
+            yield sample
+
+    def __len__(self):
+        return len(self.batches)
+
+
+def _refuse_nothing_scored(count, models) -> None:
+    if count == 0:
+        raise UsageError(
+            "no token was scored: the subset is empty, or fairseq skipped every sample as longer than "
+            f"the model's {models[0].max_positions()} positions (lower --tokens-per-sample)"
+        )
 
 
 # One scored word, as fairseq_cli/eval_lm.py's word loop sees it: the word
@@ -266,11 +293,11 @@ Word = Tuple[str, float, Optional[float], bool]
 
 class _ScoreTally:
     """The sum of log-probabilities (natural log) and the token count that
-    ``fairseq_cli/eval_lm.py:eval_lm`` divides, rebuilt from the scorer's
-    hypotheses by its rules: the BOS token removed with ``--add-bos-token``,
-    a BPE continuation token's score moved to the next token and not counted
-    with ``--post-process``. Non-finite scores (which fairseq drops after
-    that move) are only counted here, and stop the sum over groups.
+    ``fairseq_cli/eval_lm.py:eval_lm`` divides, by its rules: the BOS token
+    removed with ``--add-bos-token``; with ``--post-process`` a BPE
+    continuation token's score moved to the next token and not counted;
+    infinite scores left out after that move (NaN kept). Both stay on the
+    scores' device (the sum in float64): no host read per batch.
 
     With ``keep_words``, it also keeps, per batch, ``(sample id, words)`` for
     every sample (:data:`Word`), which fairseq prints with
@@ -281,15 +308,15 @@ class _ScoreTally:
         self.dictionary = dictionary
         self.remove_bos_token = remove_bos_token
         self.bpe_tokens, self.bpe_suffix_length = None, 0
-        if post_process in {"subword_nmt", "@@ "}:  # eval_lm raises for any other
+        if post_process in {"subword_nmt", "@@ "}:
             suffix = post_process.rstrip()
             self.bpe_tokens = {i for i in range(len(dictionary)) if dictionary[i].endswith(suffix)}
             self.bpe_suffix_length = len(suffix)
+        elif post_process is not None:
+            raise NotImplementedError(f"--post-process={post_process} is not implemented")  # as fairseq's eval_lm
         self.batches: Optional[List[List[Tuple[int, List[Word]]]]] = [] if keep_words else None
-        # float64 on the scores' device: no host sync per batch
         self.log_prob_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.non_finite = torch.zeros((), dtype=torch.float64, device=device)
-        self.count = 0
+        self.count = torch.zeros((), dtype=torch.int64, device=device)
 
     def add(self, hypos, sample_ids=None) -> None:
         """One batch: ``hypos`` from the scorer, ``sample_ids`` (B,) its samples' ids."""
@@ -299,12 +326,18 @@ class _ScoreTally:
             tokens, scores = hypos_i[0]["tokens"], hypos_i[0]["positional_scores"].float()
             if self.remove_bos_token:
                 tokens, scores = tokens[1:], scores[1:]
-            self.log_prob_sum += scores.sum(dtype=torch.float64)
-            self.non_finite += (~torch.isfinite(scores)).sum()
-            skipped = 0
+            moved, skipped = scores, 0
             if self.bpe_tokens is not None:
-                skipped = sum(t in self.bpe_tokens for t in tokens[:-1].tolist())
-            self.count += scores.numel() - skipped
+                moved, ids = scores.cpu().clone(), tokens.tolist()
+                for j in range(len(ids) - 1):
+                    if ids[j] in self.bpe_tokens:
+                        skipped += 1
+                        moved[j + 1] += moved[j]
+                        moved[j] = 0
+                moved = moved.to(scores.device)
+            infinite = moved.isinf()
+            self.log_prob_sum += moved.masked_fill(infinite, 0).sum(dtype=torch.float64)
+            self.count += moved.numel() - skipped - infinite.sum()
             if self.batches is not None:
                 self.batches[-1].append((int(sample_ids[i]), self._words(tokens.tolist(), scores)))
 
@@ -328,75 +361,6 @@ class _ScoreTally:
             words.append((word, float(scores[i]), following, is_bpe))
             word, is_bpe = "", False
         return words
-
-
-_active_tally: Optional[_ScoreTally] = None
-
-
-class TallyingSequenceScorer(SequenceScorer):
-    """fairseq's ``SequenceScorer`` that also feeds the running :class:`_ScoreTally`."""
-
-    def generate(self, models, sample, **kwargs):
-        hypos = super().generate(models, sample, **kwargs)
-        if _active_tally is not None:
-            _active_tally.add(hypos, sample["id"].tolist())
-        return hypos
-
-
-def eval_lm_over_data_parallel_groups(original_eval_lm):
-    """Wrap ``fairseq_cli.eval_lm.eval_lm`` so that its returned loss is over all shards.
-
-    When :func:`eval_lm_dataloader` split the data over a data-parallel group
-    of D > 1 ranks, each rank's sum of log-probabilities and token count are
-    all-reduced over that group, and the returned ``loss`` (base 2) and
-    ``perplexity`` are those of the whole split, which fairseq-eval-lm then
-    logs; ``--output-word-probs`` and ``--output-word-stats`` print the words
-    of the whole split, as one process would (:func:`_log_words_of_the_group`).
-    Before that, each rank checks that its own sum and count give the
-    loss fairseq computed for its shard (relative 1e-4: fairseq accumulates in
-    float32, this tally in float64); if any rank's check fails or saw a
-    non-finite score, every rank returns fairseq's own shard result with a
-    warning instead.
-
-    Raises:
-        UsageError: no token was scored (in all shards). fairseq skips the
-            samples longer than the model's positions with a warning, and
-            with all of them skipped printed loss 0.0000 and perplexity 1.00.
-    """
-
-    @functools.wraps(original_eval_lm)
-    def eval_lm(models, source_dictionary, batch_iterator, *args, **kwargs):
-        global _active_tally, _sharded_over
-        group, _sharded_over = _sharded_over, None
-        word_output = {flag: bool(kwargs.get(flag)) for flag in ("output_word_probs", "output_word_stats")}
-        words_over_group = group is not None and any(word_output.values())
-        if words_over_group:  # printed below, for the whole group
-            kwargs.update(dict.fromkeys(word_output, False))
-        tally = _ScoreTally(
-            source_dictionary,  # eval_lm finds the BPE continuations in it
-            kwargs.get("post_process"),
-            kwargs.get("remove_bos_token", False),
-            device=next(models[0].parameters()).device,
-            keep_words=words_over_group,
-        )
-        _active_tally = tally
-        try:
-            results = original_eval_lm(models, source_dictionary, batch_iterator, *args, **kwargs)
-        finally:
-            _active_tally = None
-        count = tally.count
-        if words_over_group:
-            _log_words_of_the_group(tally.batches, group, **word_output)
-        if group is not None:
-            results, count = _sum_over_group(tally, results, group)
-        if count == 0:
-            raise UsageError(
-                "no token was scored: the subset is empty, or fairseq skipped every sample as longer than "
-                f"the model's {models[0].max_positions()} positions (lower --tokens-per-sample)"
-            )
-        return results
-
-    return eval_lm
 
 
 def _log_words_of_the_group(batches, group, output_word_probs: bool, output_word_stats: bool) -> None:
@@ -449,24 +413,8 @@ def word_lines(batches, output_word_probs: bool, output_word_stats: bool) -> Lis
     return lines
 
 
-def _sum_over_group(tally: _ScoreTally, results: Dict, group) -> Tuple[Dict, int]:
-    """``(results over the group, tokens scored in all of it)``."""
-    own_loss = float(results["loss"])
-    tally_loss = -tally.log_prob_sum.item() / tally.count / math.log(2) if tally.count else 0.0
-    mismatch = abs(tally_loss - own_loss) > 1e-4 * max(abs(own_loss), 1e-8)
-    totals = torch.stack([
-        tally.log_prob_sum,
-        torch.full_like(tally.log_prob_sum, float(tally.count)),
-        tally.non_finite + float(mismatch),
-    ])
-    dist.all_reduce(totals, group=group)
-    total_log_prob, total_count, problems = totals.tolist()
-    groups = dist.get_world_size(group)
-    if problems > 0:
-        logger.warning(
-            "eval-lm: could not sum the scores of the %d data-parallel groups (non-finite scores, or a "
-            "count that differs from fairseq's); the loss below is this group's shard only", groups)
-        return results, int(total_count)
-    loss = -total_log_prob / total_count / math.log(2) if total_count else 0.0
-    logger.info("eval-lm: %d data-parallel groups scored %s tokens together", groups, f"{int(total_count):,}")
-    return {"loss": loss, "perplexity": 2 ** loss}, int(total_count)
+def install() -> None:
+    replace_in_cli_module("fairseq_cli.eval_lm", "main", main,
+                          "the run's settings reach the task; a context window as long as the blocks refused")
+    replace_in_cli_module("fairseq_cli.eval_lm", "eval_lm", eval_lm,
+                          "one loss over all data-parallel groups; a run that scored nothing refused")

@@ -19,10 +19,10 @@ blocks of 64 tokens, ``--batch-size 16``):
    batches) failed with ZeroDivisionError, in fairseq's closing log line and
    in its BLEU of no sentences.
 
-``fairseq_integration`` step 6 now launches fairseq-generate as fairseq
-launches fairseq-eval-lm (one process per rank of the world size; 1 and 2
-above), and :func:`generate_over_data_parallel_groups` makes the groups'
-output one (3): each group's lines are cut where its batches begin, and
+:func:`main` now launches fairseq-generate as fairseq launches
+fairseq-eval-lm (one process per rank of the world size; 1 and 2 above),
+and :func:`generate_over_data_parallel_groups` makes the groups' output one
+(3): each group's lines are cut where its batches begin, and
 after every round of batches (one per group) global rank 0 prints that
 round's (or writes them to a temporary file, renamed when complete) in the
 order the batches were dealt out, which is the order of a run in one
@@ -47,6 +47,12 @@ from fairseq.scoring import BaseScorer
 from fairseq.scoring.bleu import Scorer as BleuScorer
 from fairseq.scoring.wer import WerScorer
 
+from fairseq_megatron.fairseq_integration.patching import (
+    ModuleWith,
+    original,
+    plugin_on_command_line,
+    replace_in_cli_module,
+)
 from fairseq_megatron.parallel import parallel_state
 
 logger = logging.getLogger(__name__)
@@ -192,8 +198,10 @@ class BatchCuttingProgressBar:
         return getattr(self.bar, name)
 
 
-# The output being collected by this process's fairseq-generate, if any:
-# read by the stand-ins that fairseq_integration puts in fairseq_cli.generate.
+# The output being collected by this process's fairseq-generate, if any: set
+# by generate_over_data_parallel_groups around fairseq's main, read by the
+# progress bar, timer and scorer that fairseq's _main builds (it takes no
+# argument through which they could be handed the output).
 collecting: contextvars.ContextVar[Optional[BatchwiseOutput]] = contextvars.ContextVar(
     "fairseq_generate_output", default=None)
 
@@ -270,7 +278,8 @@ def generate_over_data_parallel_groups(original_main, cfg):
         cfg.common_eval.results_path = None
         token = collecting.set(output)
         try:
-            scorer = original_main(cfg)
+            with contextlib.redirect_stdout(output):  # fairseq's main hands _main sys.stdout as its output file
+                scorer = original_main(cfg)
             scorer = scorer.scorer if isinstance(scorer, ShardScorer) else scorer
         finally:
             collecting.reset(token)
@@ -354,3 +363,106 @@ class _ResultsFile(contextlib.AbstractContextManager):
             if os.path.exists(tmp):
                 os.remove(tmp)
         return None
+
+
+# ------------------------------------------------------------------ fairseq_cli.generate
+
+
+def _cli():
+    import fairseq_cli.generate
+
+    return fairseq_cli.generate
+
+
+def _not_model_parallel_rank_0() -> bool:
+    return parallel_state.model_parallel_is_initialized() and parallel_state.get_tensor_model_parallel_rank() != 0
+
+
+def main(cfg):
+    """fairseq-generate's ``main`` over all ranks of the world, with
+    ``--user-dir`` of this package (fairseq's own otherwise).
+
+    ``fairseq_cli/generate.py`` calls ``main(args)`` directly, never
+    fairseq's distributed launcher, yet shards its batches by the world
+    size: at a world size above 1 (fairseq's default is the number of
+    visible GPUs) one process generated shard 0 alone, under torchrun every
+    process generated everything, and with model parallelism no
+    model-parallel group (and no ``-model_part-K`` checkpoint suffix) would
+    exist. It now goes through ``distributed_utils.call_main`` first, as
+    fairseq-eval-lm and fairseq-interactive do: one process per rank, the
+    data sharded over the data-parallel groups by the task. Every rank of a
+    group computes the same hypotheses; model-parallel rank 0 prints them (or
+    writes ``--results-path``), the others write to /dev/null. With two or
+    more groups, :func:`generate_over_data_parallel_groups` gathers their
+    output round by round of batches, and rank 0 prints it once, as it
+    comes, in the order of a run in one process, with one score line; a
+    ``--results-path`` file is always written whole, under a temporary name
+    first, and a ``--results-path`` with a file in its path is one error
+    line before the model loads (it was a traceback after generating).
+
+    Raises:
+        UsageError: a file in the path of ``--results-path``.
+    """
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.distributed import utils as distributed_utils
+
+    from fairseq_megatron.errors import check_directory_can_be_made
+
+    if not plugin_on_command_line():  # fairseq-generate without our --user-dir: fairseq's
+        return original(_cli(), "main")(cfg)
+    if not hasattr(cfg, "common_eval"):  # an argparse Namespace
+        cfg = convert_namespace_to_omegaconf(cfg)
+    if cfg.common_eval.results_path is not None:  # before the model is loaded, or processes spawned
+        check_directory_can_be_made(cfg.common_eval.results_path, f"--results-path {cfg.common_eval.results_path}")
+    if dist.is_initialized():  # a caller started torch.distributed already
+        return generate_on_this_rank(cfg)
+    # in each process call_main starts, or here at world size 1
+    return distributed_utils.call_main(cfg, generate_on_this_rank)
+
+
+def generate_on_this_rank(cfg):
+    """fairseq's ``main`` on this rank's shard: printed by model-parallel
+    rank 0 alone, through :func:`generate_over_data_parallel_groups` for
+    several groups or a ``--results-path``."""
+    fairseq_main = original(_cli(), "main")
+    if dist.is_initialized() and not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1)  # data parallelism alone: groups of one
+    if cfg.common_eval.results_path is not None or (
+            dist.is_initialized() and parallel_state.get_data_parallel_world_size() > 1):
+        return generate_over_data_parallel_groups(fairseq_main, cfg)
+    if _not_model_parallel_rank_0():
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+            return fairseq_main(cfg)
+    return fairseq_main(cfg)
+
+
+def progress_bar(*args, **kwargs):
+    """fairseq's ``progress_bar.progress_bar`` in fairseq_cli.generate: while
+    its output is collected, the batches pass through the collector."""
+    from fairseq.logging import progress_bar as fairseq_progress_bar
+
+    bar = fairseq_progress_bar.progress_bar(*args, **kwargs)
+    output = collecting.get()
+    return bar if output is None else BatchCuttingProgressBar(bar, output)
+
+
+def build_scorer(*args, **kwargs):
+    """fairseq's ``scoring.build_scorer``: while the output is collected, a
+    :class:`ShardScorer`."""
+    from fairseq import scoring
+
+    scorer = scoring.build_scorer(*args, **kwargs)
+    return scorer if collecting.get() is None else ShardScorer(scorer)
+
+
+def install() -> None:
+    from fairseq import scoring
+    from fairseq.logging import progress_bar as fairseq_progress_bar
+
+    module = "fairseq_cli.generate"
+    replace_in_cli_module(module, "main", main, "launched over all ranks; one output for all data-parallel groups")
+    replace_in_cli_module(module, "progress_bar", ModuleWith(fairseq_progress_bar, progress_bar=progress_bar),
+                          "batches cut while the output of several groups is collected")
+    replace_in_cli_module(module, "StopwatchMeter", GenerationTimer, "a shard with no batch divides by no time")
+    replace_in_cli_module(module, "scoring", ModuleWith(scoring, build_scorer=build_scorer),
+                          "one score over all shards")

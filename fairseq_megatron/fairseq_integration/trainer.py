@@ -1,77 +1,135 @@
-"""fairseq's ``Trainer`` around each update: the fused AdamW, per-step
-logging and padding tests that do not wait for the GPU, non-finite
-gradients skipped on the device, prefetch threads stopped at exit, and a
-finished run left as it is (steps 8 to 12 and 25 of
-:mod:`fairseq_megatron.fairseq_integration`).
+"""fairseq's ``Trainer`` for our models: :class:`MegatronTrainer`.
 
-8. :func:`fused_adam_without_apex` -- ``--optimizer adam`` uses a fused
-   kernel (torch's fused AdamW) when apex is absent, and that kernel also
-   applies fairseq's gradient multiply and clipping; see
-   :mod:`fairseq_megatron.training.fused_adam`.
+fairseq's own model parallelism subclasses its trainer
+(``fairseq/model_parallel/megatron_trainer.py``); so does this package, and
+its class takes that name. ``fairseq-train`` builds it for our architectures
+at every model-parallel size, 1 included (fairseq would build its plain
+``Trainer`` there), and fairseq's own classes for every other model
+(:func:`build_trainer`, bound to the names ``Trainer`` and
+``MegatronTrainer`` of ``fairseq_cli.train``).
 
-9. :func:`step_log_without_device_wait` -- after every optimizer step the
-   trainer's ``_reduce_and_log_stats`` waited for the GPU twice: it tested
-   the gradient norm for finiteness (train_step had tested it before the
-   step) and rounded the step's loss into a dictionary that
-   ``fairseq-train`` only compares with None. The host then sat idle until
-   the optimizer's kernels finished, and the GPU sat idle while the host
-   prepared the next batch. The same meters are logged; the dictionary is
-   rounded when first read.
+What it does differently from fairseq's trainer, and why:
 
-10. :func:`quiet_prefetch_threads_at_exit` -- fairseq's ``BufferedIterator``
-   prefetches batches in a daemon thread that is still collating (torch
-   code) when a run stops before the end of its epoch; the process then
-   sometimes aborted at exit ("terminate called without an active
-   exception", exit code -6) after a successful run. Those threads are now
-   stopped and joined before the interpreter shuts down.
-
-11. :func:`padding_known_on_the_host` -- our decoder asks whether a batch
-   holds padding (to build an attention mask only then), and on the GPU that
-   question waited for the previous step's optimizer to finish. The trainer
-   now answers it while the batch is still on the CPU and marks the GPU copy
-   (:mod:`fairseq_megatron.training.padding`).
-
-12. :func:`nonfinite_gradients_skipped_on_the_device` -- before every
-   update the trainer tested the gradient norm on the host
-   (``torch.isfinite(grad_norm)``, to raise FloatingPointError before the
-   weights change), which waited for the whole backward pass. With our fused
-   AdamW (``--bf16-autocast`` or fp32 training with ``--optimizer adam``)
-   the kernel now skips such an update on the device, and the error is
-   raised at the next update (or when a checkpoint would be saved) with the
-   number of the update skipped. ``--fp16`` and ``--amp`` keep fairseq's
-   test: their loss scaler reads the norm anyway; with several data-parallel
-   groups, fairseq's check that they all got the same norm still reads it.
-
-25. :func:`finished_training_left_as_it_is` -- fairseq-train resumed from a
-   checkpoint that has reached ``--max-update`` (the same command run again,
-   a requeued job) trained one more update before testing the limit, and
-   saved it over ``checkpoint_last`` (and an interval checkpoint): each
-   rerun moved the finished model on by one update. It now logs that there
-   is nothing to train and stops without saving.
+- Gradient norm: parameters every rank holds in full (layer norms,
+  row-parallel biases) count once, not once per model-parallel rank
+  (:mod:`fairseq_megatron.parallel.grad_norm`), so ``gnorm`` and clipping
+  do not depend on the model-parallel size.
+- Optimizer: ``--optimizer adam`` with fp32 weights on CUDA runs torch's
+  fused AdamW (:mod:`fairseq_megatron.training.fused_adam`), with fairseq's
+  gradient multiply and clipping applied inside its kernel, where fairseq
+  without apex runs its Python Adam. An update with non-finite gradients is
+  then skipped on the device: fairseq read the norm on the host before every
+  update (a wait for the whole backward pass); the error comes one update
+  later instead.
+- Per-step logging reads nothing from the device (fairseq's
+  ``_reduce_and_log_stats`` waited twice per step), and whether a batch
+  holds padding is decided on its CPU copy (:mod:`fairseq_megatron.training.padding`).
+- Checkpoints: rank K writes ``-model_part-K`` files, its crash file too
+  (fairseq wrote one ``crash.pt`` from every rank); the RNG tracker's streams
+  are saved and restored (as fairseq's MegatronTrainer); a checkpoint saved at
+  another model-parallel size is refused with the command that reshards it,
+  or, with ``--reset-optimizer`` (and fine-tuning), resharded in memory; the
+  epoch's position is converted when the number of data-parallel groups
+  changed; every data-parallel rank reads its part itself (fairseq sent it
+  from one rank with ``broadcast_object``, which names the source by its rank
+  in the group where torch takes a global one: "Global rank 0 is not part of
+  group" at model and data parallelism).
+- Initial weights are drawn only if no checkpoint fills them
+  (:class:`fairseq_megatron.modules.sharding.DeferredInitialisation`).
+- Data-parallel wrapping on CPU (fairseq passed a GPU device id to torch's
+  DDP), and prefetch threads stopped at exit (fairseq's ``BackgroundConsumer``
+  could abort the interpreter's shutdown: "terminate called without an
+  active exception").
 """
 
 import atexit
 import collections.abc
-import functools
+import contextlib
 import logging
+import queue
 import threading
 import time
-import weakref
+from typing import Optional
 
 import torch
+from fairseq.logging import metrics
+from fairseq.trainer import Trainer
 
-from fairseq_megatron.fairseq_integration.patching import TorchStandIn, replace_in_cli_module
+from fairseq_megatron.parallel import parallel_state
+from fairseq_megatron.parallel.grad_norm import model_parallel_norm_aggregator
+from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
+from fairseq_megatron.training.fused_adam import FairseqFusedAdam, fused_adam_applies
+from fairseq_megatron.training.padding import mark_padding
 
 logger = logging.getLogger(__name__)
 
 
-def fused_adam_without_apex() -> None:
-    import fairseq.optim.adam
+def is_our_model(model) -> bool:
+    """Whether ``model`` (possibly wrapped, e.g. in DDP) is one of our LMs."""
+    from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
 
-    from fairseq_megatron.training.fused_adam import fused_adam_class, route_to_fused
+    for _ in range(3):  # fairseq's ModuleProxyWrapper around torch's DDP around the model, at most
+        if isinstance(model, ModelParallelTransformerLanguageModel):
+            return True
+        model = getattr(model, "module", None) if isinstance(model, torch.nn.Module) else None
+    return False
 
-    fairseq.optim.adam.get_fused_adam_class = fused_adam_class(fairseq.optim.adam.get_fused_adam_class)
-    route_to_fused(fairseq.optim.adam.FairseqAdam)
+
+def build_trainer(cfg, task, model, criterion, quantizer=None):
+    """The trainer ``fairseq-train`` builds: :class:`MegatronTrainer` for our
+    models, fairseq's own ``Trainer`` (model-parallel size 1) or
+    ``MegatronTrainer`` (above) for any other, as fairseq chooses."""
+    if is_our_model(model):
+        return MegatronTrainer(cfg, task, model, criterion, quantizer)
+    if cfg.common.model_parallel_size == 1:
+        return Trainer(cfg, task, model, criterion, quantizer)
+    from fairseq.model_parallel.megatron_trainer import MegatronTrainer as FairseqMegatronTrainer
+
+    return FairseqMegatronTrainer(cfg, task, model, criterion)
+
+
+class CheckpointInMemory(str):
+    """A checkpoint's file name that carries the state to load instead of the
+    file's: a part built in memory from the parts of another model-parallel
+    size, or a state changed after reading. fairseq's ``Trainer.load_checkpoint``
+    tests that the file exists, logs its name and reads it with
+    ``checkpoint_utils.load_checkpoint_to_cpu``, which returns :attr:`state`
+    for such a name (:mod:`.checkpoint_utils`)."""
+
+    def __new__(cls, path: str, state: dict):
+        name = super().__new__(cls, path)
+        name.state = state
+        return name
+
+
+class _NormCheckedOnTheDevice(torch.Tensor):
+    """A gradient norm whose finiteness the fused optimizer tests on the
+    device. fairseq's ``train_step`` asks ``torch.isfinite(grad_norm).all()``
+    to raise before a non-finite update; for this tensor the answer is True
+    without reading it (the optimizer skips such an update itself, and
+    :meth:`MegatronTrainer.clip_grad_norm` raises at the next update). Every
+    other operation sees a plain tensor."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.isfinite:
+            return _FINITE
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+class _Finite:
+    """``torch.isfinite`` of a :class:`_NormCheckedOnTheDevice`."""
+
+    @staticmethod
+    def all() -> bool:
+        return True
+
+    def __bool__(self) -> bool:
+        return True
+
+
+_FINITE = _Finite()
 
 
 class _SmoothedValuesOnRead(collections.abc.Mapping):
@@ -102,24 +160,120 @@ class _SmoothedValuesOnRead(collections.abc.Mapping):
         return len(self._computed())
 
 
-def step_log_without_device_wait() -> None:
-    from fairseq.logging import metrics
-    from fairseq.trainer import Trainer
+def _source_tokens(sample):
+    """``sample["net_input"]["src_tokens"]``, or None for any other shape of batch."""
+    if isinstance(sample, dict) and isinstance(sample.get("net_input"), dict):
+        tokens = sample["net_input"].get("src_tokens")
+        if torch.is_tensor(tokens):
+            return tokens
+    return None
 
-    original = Trainer._reduce_and_log_stats
 
-    @functools.wraps(original)
-    def reduce_and_log_stats(self, logging_outputs, sample_size, grad_norm=None):
+def padding_tested_on_the_host(tokens: torch.Tensor, pad: int) -> bool:
+    """Whether CPU tensor ``tokens`` holds ``pad`` (a read that waits for nothing)."""
+    return bool(tokens.eq(pad).any())
+
+
+class MegatronTrainer(Trainer):
+    """fairseq's ``Trainer`` for :class:`~fairseq_megatron.models.model_parallel_transformer_lm.ModelParallelTransformerLanguageModel`
+    at any model-parallel size (the module docstring says what differs).
+
+    Raises (from :meth:`load_checkpoint`): UsageError for a checkpoint of
+    another size without ``--reset-optimizer``, one whose vocabulary rows
+    differ from this model's, or a part file that is cut short.
+    """
+
+    def __init__(self, cfg, task, model, criterion, quantizer=None):
+        if cfg.ema.store_ema:  # fairseq's EMA copies the model in the constructor, before any load
+            model.run_deferred_initialisation()
+        super().__init__(cfg, task, model, criterion, quantizer)
+        _stop_prefetch_threads_at_exit()
+
+    # ------------------------------------------------------------ wrapping
+
+    @property
+    def model(self):
+        """fairseq's wrapped model; on CPU its ``pytorch_ddp`` wrapper gets no
+        device ids (fairseq passed the GPU id, which torch's DDP refuses for
+        a CPU module)."""
+        cfg = self.cfg.distributed_training
+        if (self._wrapped_model is None and self.use_distributed_wrapper and self.device.type == "cpu"
+                and cfg.ddp_backend in {"c10d", "pytorch_ddp"}):
+            from fairseq.distributed import ModuleProxyWrapper
+
+            self._wrapped_model = ModuleProxyWrapper(torch.nn.parallel.DistributedDataParallel(
+                module=self._model.to(self.device),
+                broadcast_buffers=cfg.broadcast_buffers,
+                bucket_cap_mb=cfg.bucket_cap_mb,
+                process_group=self.data_parallel_process_group,
+                find_unused_parameters=cfg.find_unused_parameters,
+                gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+            ))
+        return super().model
+
+    def _build_optimizer(self):
+        """fairseq's optimizer; ``--optimizer adam`` on fp32 CUDA weights then
+        runs :class:`~fairseq_megatron.training.fused_adam.FusedAdamW` inside
+        fairseq's wrappers."""
+        super()._build_optimizer()
+        outer = self._optimizer
+        if fused_adam_applies(outer, self.cfg):
+            self._optimizer = FairseqFusedAdam(outer)
+            self._lr_scheduler.optimizer = self._optimizer
+        elif fused_adam_applies(getattr(outer, "fp32_optimizer", None), self.cfg):
+            outer.fp32_optimizer = FairseqFusedAdam(outer.fp32_optimizer)
+
+    # ------------------------------------------------------------ one step
+
+    def _prepare_sample(self, sample, is_dummy=False):
+        """fairseq's, which also records on the device copy of the tokens
+        whether they hold padding, tested on the CPU copy (no device wait)."""
+        tokens = _source_tokens(sample)
+        dictionary = getattr(self.task, "source_dictionary", None)
+        if tokens is None or tokens.device.type != "cpu" or dictionary is None:
+            return Trainer._prepare_sample(self, sample, is_dummy)
+        pad = dictionary.pad()
+        holds_padding = padding_tested_on_the_host(tokens, pad)
+        sample, is_dummy = Trainer._prepare_sample(self, sample, is_dummy)
+        moved = _source_tokens(sample)
+        if moved is not None:
+            mark_padding(moved, pad, holds_padding)
+        return sample, is_dummy
+
+    def clip_grad_norm(self, clip_norm):
+        """The norm of the whole model, replicated parameters counted once.
+
+        With the fused AdamW the returned norm answers fairseq's
+        ``torch.isfinite`` test without a device read, and the optimizer
+        skips the update on the device if it is not finite.
+
+        Raises:
+            FloatingPointError: the last update was skipped for a non-finite
+                norm (fairseq raised before that update; here one later).
+        """
+        aggregate = model_parallel_norm_aggregator(self.model, parallel_state.get_tensor_model_parallel_group())
+        fused = self.optimizer._optimizer if isinstance(self.optimizer, FairseqFusedAdam) else None
+        if fused is None:
+            return self.optimizer.clip_grad_norm(clip_norm, aggregate_norm_fn=aggregate)
+        if fused.last_step_skipped():
+            raise FloatingPointError(f"gradients are Nan/Inf in update {self.get_num_updates()} (skipped: "
+                                     "weights and Adam moments unchanged)")
+        grad_norm = self.optimizer.clip_grad_norm(clip_norm, aggregate_norm_fn=aggregate)
+        fused.skip_step_if_nonfinite(grad_norm)
+        return grad_norm.as_subclass(_NormCheckedOnTheDevice)
+
+    def _reduce_and_log_stats(self, logging_outputs, sample_size, grad_norm=None):
+        """fairseq's meters, without its two device reads per step: a
+        finiteness test of a norm ``train_step`` already tested, and the
+        rounding of the step's values into a dictionary that fairseq-train
+        only compares with None (computed here when read)."""
         if self.tpu or not torch.is_tensor(grad_norm):  # validation passes no norm
-            return original(self, logging_outputs, sample_size, grad_norm)
-        # fairseq's body without its two waits. train_step calls this with a
-        # norm it found finite (after an fp16 overflow it does not call it).
+            return Trainer._reduce_and_log_stats(self, logging_outputs, sample_size, grad_norm)
         metrics.log_speed("ups", 1.0, priority=100, round=2)
         metrics.log_scalar("gnorm", grad_norm, priority=400, round=3)
         clip_norm = self.cfg.optimization.clip_norm
         if clip_norm > 0:
-            # fairseq builds 100 and 0 with new_tensor: host-to-device copies,
-            # each a wait on the GPU
+            # fairseq builds 100 and 0 with new_tensor: host-to-device copies
             clipped = (grad_norm > clip_norm).to(grad_norm.dtype) * 100
             metrics.log_scalar("clip", clipped, priority=500, round=1)
         with metrics.aggregate() as aggregator:
@@ -133,31 +287,102 @@ def step_log_without_device_wait() -> None:
                 metrics.log_scalar("loss", -1)
         return _SmoothedValuesOnRead(aggregator, sample_size)
 
-    Trainer._reduce_and_log_stats = reduce_and_log_stats
+    def get_train_iterator(self, *args, **kwargs):
+        """fairseq's; the task batches the training data as fairseq does
+        (evaluation keeps a last batch fairseq drops)."""
+        training_batches = getattr(self.task, "training_batches", contextlib.nullcontext)  # our task's
+        with training_batches():
+            return super().get_train_iterator(*args, **kwargs)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, filename, extra_state):
+        """fairseq's, for this rank's part (``crash.pt`` too), recording the
+        RNG tracker's streams and the number of data-parallel groups."""
+        suffix = self.checkpoint_suffix  # "-model_part-K" (fairseq's distributed_init sets it)
+        if suffix and filename.endswith(".pt") and not filename.endswith(suffix + ".pt"):
+            filename = filename[: -len(".pt")] + suffix + ".pt"
+        extra_state["rng_tracker_states"] = get_rng_tracker().get_states()
+        extra_state["data_parallel_world_size"] = self.data_parallel_world_size
+        return super().save_checkpoint(filename, extra_state)
+
+    def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False, optimizer_overrides=None,
+                        reset_meters=False):
+        """fairseq's, for this rank's part of a checkpoint saved at any size.
+
+        Every data-parallel rank reads the file itself. Afterwards the RNG
+        tracker's streams are restored, the epoch's position is converted to
+        this run's number of data-parallel groups, and, if nothing was
+        loaded, the deferred initial weights are drawn.
+        """
+        from fairseq_megatron.fairseq_integration.checkpoint_utils import part_name, checkpoint_for_rank
+
+        filename = part_name(filename, self.checkpoint_suffix)
+        model = self.get_model()
+        deferred = model.deferred_initialisation is not None
+        checkpoint = self.cfg.checkpoint
+        on_all_ranks = checkpoint.load_checkpoint_on_all_dp_ranks
+        checkpoint.load_checkpoint_on_all_dp_ranks = True
+        try:
+            extra_state = super().load_checkpoint(
+                checkpoint_for_rank(self, filename, reset_optimizer), reset_optimizer, reset_lr_scheduler,
+                optimizer_overrides, reset_meters)
+        finally:
+            checkpoint.load_checkpoint_on_all_dp_ranks = on_all_ranks
+        if extra_state is not None and "rng_tracker_states" in extra_state:
+            get_rng_tracker().set_states(extra_state["rng_tracker_states"])
+        _continue_the_epoch(extra_state, self.data_parallel_world_size)
+        if model.run_deferred_initialisation():
+            logger.info("no checkpoint to load: drew the initial weights (deferred from the build)")
+        elif deferred:
+            logger.info("the checkpoint filled every parameter: the initial weights were not drawn")
+        return extra_state
 
 
-_prefetch_threads = weakref.WeakSet()
+def _continue_the_epoch(extra_state: Optional[dict], groups: int) -> None:
+    """Convert a checkpoint's position in its epoch to ``groups`` data-parallel groups, in place.
+
+    fairseq's ``EpochBatchIterator`` deals the epoch's batches (one order for
+    any number of groups: shuffled by seed and epoch) round-robin to the D
+    groups, so after ``iterations_in_epoch`` = k batches each, batches 0 ..
+    kD - 1 have been trained (``fairseq/data/iterators.py``:
+    ``ShardedIterator``). With G groups, each skips kD / G of its own; when
+    G does not divide kD, the last kD mod G batches are trained once more
+    (fewer than G). fairseq read the count as it was: with fewer groups it
+    trained batches again, with more it skipped some. Checkpoints saved
+    without ``data_parallel_world_size`` (by stock fairseq) are left as they are.
+    """
+    if not extra_state or "train_iterator" not in extra_state:
+        return
+    saved = extra_state.get("data_parallel_world_size")
+    position = extra_state["train_iterator"]
+    taken = position.get("iterations_in_epoch", 0) * (saved or 0)
+    if saved is None or saved == groups or taken == 0:
+        return
+    position["iterations_in_epoch"] = taken // groups
+    again = taken % groups
+    logger.info(
+        "resuming at %d data-parallel groups (saved at %d): epoch %d goes on after its first %d batches%s",
+        groups, saved, position["epoch"], taken,
+        f" ({again} of them trained once more: {taken} is not divisible by {groups})" if again else "")
 
 
-_stop_prefetching = threading.Event()
+def _prefetch_threads():
+    from fairseq.data.iterators import BackgroundConsumer
 
-
-def _until_stopped(items):
-    for item in items:
-        if _stop_prefetching.is_set():
-            return
-        yield item
+    return [t for t in threading.enumerate() if isinstance(t, BackgroundConsumer) and t.is_alive()]
 
 
 def stop_prefetch_threads(timeout: float = 10.0) -> None:
-    """Make every live ``BackgroundConsumer`` finish: it produces no new
-    item once the stop is set, and its queue is emptied so that a pending
-    ``put`` returns. Waits at most ``timeout`` seconds in all."""
-    import queue
-
-    _stop_prefetching.set()
+    """Make every live fairseq ``BackgroundConsumer`` (the thread that
+    prefetches batches) finish: its count limit is set to what it produced,
+    so it stops after the item it is putting, and its queue is emptied so
+    that the put returns. Waits at most ``timeout`` seconds in all. A daemon
+    thread still collating (torch code) while the interpreter shut down
+    sometimes aborted the process after a successful run."""
     deadline = time.monotonic() + timeout
-    for thread in list(_prefetch_threads):
+    for thread in _prefetch_threads():
+        thread._max_len = 0  # read after each put: `count >= max_len` ends its loop
         while thread.is_alive() and time.monotonic() < deadline:
             try:
                 while True:
@@ -167,121 +392,6 @@ def stop_prefetch_threads(timeout: float = 10.0) -> None:
             thread.join(timeout=0.05)
 
 
-def quiet_prefetch_threads_at_exit() -> None:
-    from fairseq.data import iterators
-
-    original_init = iterators.BackgroundConsumer.__init__
-
-    @functools.wraps(original_init)
-    def __init__(self, queue, source, max_len, cuda_device):
-        original_init(self, queue, _until_stopped(source), max_len, cuda_device)
-        _prefetch_threads.add(self)
-
-    iterators.BackgroundConsumer.__init__ = __init__
+def _stop_prefetch_threads_at_exit() -> None:
+    atexit.unregister(stop_prefetch_threads)  # once per process, whatever number of trainers
     atexit.register(stop_prefetch_threads)
-
-
-def _source_tokens(sample):
-    """``sample["net_input"]["src_tokens"]``, or None for any other shape of batch."""
-    if isinstance(sample, dict) and isinstance(sample.get("net_input"), dict):
-        tokens = sample["net_input"].get("src_tokens")
-        if torch.is_tensor(tokens):
-            return tokens
-    return None
-
-
-def padding_known_on_the_host() -> None:
-    from fairseq.trainer import Trainer
-
-    from fairseq_megatron.training.padding import mark_padding
-
-    original = Trainer._prepare_sample
-
-    @functools.wraps(original)
-    def prepare_sample(self, sample, is_dummy=False):
-        tokens = _source_tokens(sample)
-        dictionary = getattr(self.task, "source_dictionary", None)
-        if tokens is None or tokens.device.type != "cpu" or dictionary is None:
-            return original(self, sample, is_dummy)
-        pad = dictionary.pad()
-        holds_padding = bool(tokens.eq(pad).any())  # on the CPU: no wait
-        sample, is_dummy = original(self, sample, is_dummy)
-        moved = _source_tokens(sample)
-        if moved is not None:
-            mark_padding(moved, pad, holds_padding)
-        return sample, is_dummy
-
-    Trainer._prepare_sample = prepare_sample
-
-
-_CHECKED_ON_THE_DEVICE = "_fairseq_megatron_finite_checked_on_the_device"
-
-
-class _CheckedOnTheDevice:
-    """``torch.isfinite(grad_norm)`` for a norm that step 12 marked: fairseq
-    asks ``.all()`` of it and gets True without any tensor being read (the
-    optimizer skips a non-finite update by itself)."""
-
-    @staticmethod
-    def all() -> bool:
-        return True
-
-
-class _TorchWithNormsCheckedOnTheDevice(TorchStandIn):
-    """``torch`` inside ``fairseq.trainer``: ``isfinite`` of a gradient norm
-    marked by step 12 answers without reading it; any other tensor gets
-    torch's answer."""
-
-    @staticmethod
-    def isfinite(tensor):
-        if torch.is_tensor(tensor) and getattr(tensor, _CHECKED_ON_THE_DEVICE, None) == tensor._version:
-            return _CheckedOnTheDevice()
-        return torch.isfinite(tensor)
-
-
-def nonfinite_gradients_skipped_on_the_device() -> None:
-    from fairseq import trainer as trainer_module
-    from fairseq.model_parallel.megatron_trainer import MegatronTrainer
-    from fairseq.optim.adam import FairseqAdam
-
-    from fairseq_megatron.training.fused_adam import FusedAdamW
-
-    def checked_on_the_device(clip_grad_norm):
-        @functools.wraps(clip_grad_norm)
-        def method(self, clip_norm):
-            optimizer = self.optimizer  # FP16Optimizer, AMPOptimizer: not a FairseqAdam, unchanged
-            fused = optimizer._optimizer if isinstance(optimizer, FairseqAdam) else None
-            if not isinstance(fused, FusedAdamW):
-                return clip_grad_norm(self, clip_norm)
-            if fused.last_step_skipped():
-                raise FloatingPointError(f"gradients are Nan/Inf in update {self.get_num_updates()} (skipped: "
-                                         "weights and Adam moments unchanged)")
-            grad_norm = clip_grad_norm(self, clip_norm)
-            fused.skip_step_if_nonfinite(grad_norm)
-            setattr(grad_norm, _CHECKED_ON_THE_DEVICE, grad_norm._version)
-            return grad_norm
-
-        return method
-
-    for cls in (trainer_module.Trainer, MegatronTrainer):
-        cls.clip_grad_norm = checked_on_the_device(cls.__dict__["clip_grad_norm"])
-    trainer_module.torch = _TorchWithNormsCheckedOnTheDevice()
-
-
-def finished_training_left_as_it_is() -> None:
-    def wrap(train):
-        @functools.wraps(train)
-        def train_unless_finished(cfg, trainer, task, epoch_itr):
-            """fairseq_cli.train's ``train`` (one epoch), which tests
-            ``--max-update`` only after each update; every rank has loaded the
-            same update count, so all of them stop here alike."""
-            max_update = cfg.optimization.max_update
-            if max_update and trainer.get_num_updates() >= max_update:
-                logger.info(f"nothing to train: the checkpoint is at update {trainer.get_num_updates()}, "
-                            f"--max-update is {max_update}; no checkpoint saved")
-                return [None], True  # (validation losses, stop), as after an update that reached the limit
-            return train(cfg, trainer, task, epoch_itr)
-
-        return train_unless_finished
-
-    replace_in_cli_module("fairseq_cli.train", "train", wrap)

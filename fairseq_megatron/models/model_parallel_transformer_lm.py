@@ -10,9 +10,10 @@ work unchanged. State-dict keys and per-rank shapes are those of fairseq's
 import contextlib
 import functools
 import logging
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from fairseq.models import ARCH_MODEL_REGISTRY
@@ -34,227 +35,19 @@ from fairseq_megatron.modules import (
 )
 from fairseq_megatron.modules import sharding
 from fairseq_megatron.training.padding import has_padding
+from fairseq_megatron.models.options import (
+    data_parallel_backend_being_built,
+    check_data_parallel_backend,
+    check_dictionary_size,
+    check_options,
+    check_processes,
+    pad_dictionary,
+)
 from fairseq_megatron.models.registry import take_over_model, take_over_model_architecture
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TARGET_POSITIONS = 1024
-
-
-def check_dictionary_size(symbols: Sequence[str], size: int, trained_with: Optional[int], checkpoint: str) -> None:
-    """Refuse a dictionary other than the one a checkpoint's model was trained with.
-
-    ``symbols`` is the dictionary's symbol list (fairseq's four special
-    symbols first; padding may follow), ``size`` its length before padding,
-    ``trained_with`` the length the checkpoint records (``dictionary_size``;
-    None for checkpoints from before the record, which are not checked),
-    ``checkpoint`` how the message names it. The same dictionary has that
-    many symbols, or more only by ``madeupwordNNNN`` padding symbols (a
-    dictionary saved after padding).
-
-    Padding to a recorded vocabulary size (see :func:`pad_dictionary`) would
-    take a shorter dictionary without a word, where fairseq's non-parallel
-    model failed to load it ("size mismatch"): every token would then be
-    looked up in rows learnt for other symbols.
-
-    Raises:
-        UsageError: the sizes differ.
-    """
-    if trained_with is None:
-        return
-    if size < trained_with or not all(s.startswith("madeupword") for s in symbols[trained_with:]):
-        raise UsageError(
-            f"the dictionary has {size} symbols but {checkpoint} was trained with {trained_with}: "
-            f"wrong dict.txt for this checkpoint"
-        )
-
-
-def pad_dictionary(dictionary, model_parallel_size: int, padded_vocab_size: Optional[int] = None) -> int:
-    """Pad ``dictionary`` in place with ``madeupwordNNNN`` symbols; return its new size.
-
-    A new model pads to a multiple of ``8 * model_parallel_size``, as fairseq
-    does, so the size depends on the model-parallel size it was first built
-    with. That size is then recorded in the model config
-    (``padded_vocab_size``) and reused exactly, so a checkpoint resharded to
-    another model-parallel size keeps every embedding row and the same
-    softmax over the same vocabulary.
-
-    Raises:
-        UsageError: the dictionary is larger than ``padded_vocab_size``, or
-            the size is not divisible by the model-parallel size.
-    """
-    if padded_vocab_size is None:
-        dictionary.pad_to_multiple_(8 * model_parallel_size)
-    else:
-        if len(dictionary) > padded_vocab_size:
-            raise UsageError(
-                f"the dictionary has {len(dictionary)} symbols but the vocabulary has {padded_vocab_size} rows "
-                f"(--padded-vocab-size, or a checkpoint's record of it): a --padded-vocab-size too small, "
-                f"or the wrong dict.txt for the checkpoint"
-            )
-        i = 0
-        while len(dictionary) < padded_vocab_size:
-            symbol = f"madeupword{i:04d}"
-            if symbol not in dictionary.indices:
-                dictionary.add_symbol(symbol, n=0)
-            i += 1
-    if len(dictionary) % model_parallel_size != 0:
-        raise UsageError(
-            f"padded vocabulary size {len(dictionary)} is not divisible by the "
-            f"model-parallel size {model_parallel_size}"
-        )
-    return len(dictionary)
-
-
-def check_processes(model_parallel_size: int, processes: int) -> None:
-    """Refuse ``model_parallel_size`` model parts in one process.
-
-    ``processes`` is the run's world size (1 when torch.distributed is not
-    initialised: no launcher). A world size that ``model_parallel_size``
-    does not divide is refused where the groups are made
-    (:func:`fairseq_megatron.parallel.parallel_state.initialize_model_parallel`).
-
-    Raises:
-        UsageError: ``model_parallel_size`` < 1 (fairseq ran 0 or a negative
-            size as size 1, or failed later on a group size that differs), or
-            > 1 and ``processes`` == 1.
-    """
-    if model_parallel_size < 1:
-        raise UsageError(f"--model-parallel-size {model_parallel_size}: the number of model parts is at least 1")
-    if model_parallel_size > 1 and processes == 1:
-        raise UsageError(
-            f"--model-parallel-size {model_parallel_size} needs {model_parallel_size} processes, one per model "
-            f"part, and this run is one process: launch it with torchrun --nproc_per_node {model_parallel_size} "
-            f"(or give fairseq --distributed-world-size {model_parallel_size} on a machine with "
-            f"{model_parallel_size} GPUs)"
-        )
-
-
-def check_data_parallel_backend(ddp_backend: str, model_parallel_size: int, cpu: bool) -> None:
-    """Refuse fairseq-train's ``--ddp-backend fully_sharded`` for this model.
-
-    fairseq-train then builds the model inside fairscale's ``enable_wrap``
-    (``fairseq/distributed/fully_sharded_data_parallel.py``) to wrap it in
-    FSDP, which flattens the parameters and shards them over the
-    data-parallel ranks. At model-parallel size > 1 the gradient norm
-    (:mod:`fairseq_megatron.parallel.grad_norm`: each parameter's rule found by name,
-    summed over the model-parallel group only) and the model part files
-    expect every rank to hold its whole part, so that is refused; on CPU
-    (``cpu``, or no CUDA) fairscale's FSDP fails with "Torch not compiled
-    with CUDA enabled". Other backends pass.
-
-    Raises:
-        UsageError: either case.
-    """
-    if ddp_backend != "fully_sharded":
-        return
-    others = "use --ddp-backend pytorch_ddp (the default), no_c10d or legacy_ddp"
-    if model_parallel_size > 1:
-        raise UsageError(f"--ddp-backend fully_sharded does not work with --model-parallel-size "
-                         f"{model_parallel_size} (FSDP would shard the model parts over the data-parallel "
-                         f"ranks); {others}")
-    if cpu or not torch.cuda.is_available():
-        raise UsageError(f"--ddp-backend fully_sharded needs CUDA GPUs (fairscale's FSDP); on CPU {others}")
-
-
-def check_training_precision(common) -> None:
-    """Refuse fairseq-train precision flags that fail later on this machine.
-
-    ``common``: fairseq's ``cfg.common``. ``--bf16`` means TPU in fairseq
-    0.12 (it sets ``--tpu``; FAIRSEQ_FACTS.md) and without ``torch_xla``
-    fairseq-train failed with "'NoneType' object has no attribute
-    'xla_device'". ``--fp16`` on CPU (``--cpu``, or no CUDA) failed in
-    ``fairseq/optim/fp16_optimizer.py``, whose fp32 master weights go to the
-    current CUDA device: "Torch not compiled with CUDA enabled".
-    ``--memory-efficient-fp16`` and ``--amp`` run there and pass.
-
-    Raises:
-        UsageError: either case, naming the flag to use instead.
-    """
-    import importlib.util
-
-    if (common.bf16 or common.memory_efficient_bf16) and importlib.util.find_spec("torch_xla") is None:
-        flag = "--memory-efficient-bf16" if common.memory_efficient_bf16 else "--bf16"
-        raise UsageError(f"fairseq's {flag} means TPU (it needs torch_xla); for bf16 on a GPU or CPU "
-                         f"use --bf16-autocast (fp32 weights, bf16 autocast)")
-    fp16_optimizer = common.fp16 and not common.memory_efficient_fp16  # fairseq sets fp16 for both
-    if fp16_optimizer and (common.cpu or not torch.cuda.is_available()):
-        raise UsageError("--fp16 needs a CUDA GPU (fairseq's FP16 optimizer keeps its fp32 master weights "
-                         "there); on CPU train in fp32 or with --bf16-autocast")
-
-
-def _data_parallel_backend_being_built() -> str:
-    """``fully_sharded`` while fairseq-train builds the model inside
-    fairscale's ``enable_wrap`` (its FSDP backend), else ``pytorch_ddp``.
-    Not the config's ``ddp_backend``: a checkpoint's config records the
-    backend of its training, and evaluating it builds the model without FSDP."""
-    from fairscale.nn.wrap.auto_wrap import ConfigAutoWrap
-
-    return "fully_sharded" if ConfigAutoWrap.in_autowrap_context else "pytorch_ddp"
-
-
-def check_options(args, model_parallel_size: int) -> None:
-    """Refuse options this model cannot be built or trained with, from the
-    options alone: sizes the model-parallel size does not divide, conflicting
-    precision flags, ``--cuda-graphs`` with gradient accumulation, and
-    transformer_lm options the layers do not implement.
-
-    fairseq's parser gives our archs every transformer_lm option; these the
-    layers would ignore: NormFormer's scalings (``--scale-attn``,
-    ``--scale-fc``, ``--scale-heads``, ``--scale-resids``), quantization noise,
-    BASE layers, xformers attention; input/output dimensions other than the
-    embedding's failed in the first forward on mismatched shapes. Checkpoints
-    without these options (the published Megatron-11b's 2020 ``args``) pass.
-
-    Called by the architecture functions, which fairseq-train runs while
-    parsing its command line (so bad options stop it before it creates
-    ``--save-dir``), and again by ``build_model`` for configs that did not
-    pass through them (checkpoints, Hydra).
-
-    Raises:
-        UsageError: the first refusal, naming the options to change.
-        NotImplementedError: adaptive input/softmax or character embeddings.
-    """
-    for flag, value in (
-        ("--decoder-attention-heads", args.decoder_attention_heads),
-        ("--decoder-ffn-embed-dim", args.decoder_ffn_embed_dim),
-    ):
-        if value % model_parallel_size != 0:
-            raise UsageError(f"{flag} {value} is not divisible by --model-parallel-size {model_parallel_size}")
-    if args.decoder_embed_dim % args.decoder_attention_heads != 0:
-        raise UsageError(f"--decoder-embed-dim {args.decoder_embed_dim} is not divisible by "
-                         f"--decoder-attention-heads {args.decoder_attention_heads}")
-    if safe_getattr(args, "bf16_autocast", False):
-        half = [f"--{f.replace('_', '-')}" for f in ("fp16", "memory_efficient_fp16", "amp")
-                if safe_getattr(args, f, False)]
-        if half:
-            raise UsageError(f"--bf16-autocast trains fp32 weights under bf16 autocast; drop {' '.join(half)}")
-    accumulated = max(safe_getattr(args, "update_freq", None) or [1])
-    if safe_getattr(args, "cuda_graphs", False) and accumulated > 1:
-        # The backward graph's weight gradients live in the graphs' memory
-        # pool; the next micro-batch's replay overwrites the gradient being
-        # accumulated (pytorch/pytorch#96693: silently wrong sums).
-        raise UsageError(
-            f"--cuda-graphs with --update-freq {accumulated}: a CUDA graph replay would overwrite "
-            "the gradients being accumulated; use --update-freq 1 (a larger --batch-size instead)"
-        )
-    embed_dim = args.decoder_embed_dim
-    given = [f"--{flag.replace('_', '-')}" for flag in ("scale_attn", "scale_fc", "scale_heads", "scale_resids")
-             if safe_getattr(args, flag, False)]
-    given += [f"--{flag.replace('_', '-')} {safe_getattr(args, flag)}"
-              for flag in ("quant_noise_pq", "quant_noise_scalar", "base_layers", "decoder_xformers_att_config")
-              if safe_getattr(args, flag, None)]
-    given += [f"--{flag.replace('_', '-')} {safe_getattr(args, flag)}"
-              for flag in ("decoder_input_dim", "decoder_output_dim")
-              if safe_getattr(args, flag, embed_dim) != embed_dim]
-    if given:
-        raise UsageError(f"{' '.join(given)}: not implemented by the model-parallel decoder; drop it "
-                         f"(fairseq's own transformer_lm has it, without model parallelism)")
-    if (safe_getattr(args, "character_embeddings", False) or safe_getattr(args, "adaptive_input", False)
-            or safe_getattr(args, "adaptive_softmax_cutoff", None)):
-        raise NotImplementedError(
-            "character embeddings, adaptive input and adaptive softmax are not model parallel"
-        )
 
 
 @take_over_model("model_parallel_transformer_lm")
@@ -324,6 +117,38 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
 
     @classmethod
     def build_model(cls, args, task):
+        """The model for ``args``, its initial weights drawn now, or, where a
+        checkpoint may fill them (fairseq-train, which builds before it looks
+        for one; any load of a checkpoint through our task, whose
+        ``initial_weights_may_be_loaded`` says so), only if none does: :meth:`load_state_dict` drops them
+        for a strict load and draws them first for a partial one, and
+        :meth:`run_deferred_initialisation` draws them (the trainer calls it
+        when no checkpoint was loaded). Drawing is nearly all of the build:
+        every rank draws each layer's full master tensor
+        (:mod:`fairseq_megatron.modules.sharding`), minutes for Megatron-11b.
+        If anything else in the build drew from the default generator
+        (fairseq's ``--decoder-learned-pos`` embedding), the deferred draws
+        would come out of order, so the model is built again as usual."""
+        if dist.is_initialized() and not parallel_state.model_parallel_is_initialized():
+            # data parallelism alone (fairseq creates no model-parallel groups at size 1): groups of one
+            parallel_state.initialize_model_parallel(1)
+        from fairseq_megatron.fairseq_integration.patching import fairseq_tool
+
+        # our language_modeling task says so for any load of a checkpoint; fairseq-train, with any task,
+        # builds the model before it looks for one (our trainer draws the weights if it finds none)
+        if not (getattr(task, "initial_weights_may_be_loaded", False) or fairseq_tool() in ("train", "hydra_train")):
+            return cls._build(args, task)
+        with sharding.initialisation_deferred() as deferred:
+            model = cls._build(args, task)
+        if deferred.generator_moved():
+            torch.set_rng_state(deferred.generator_state)
+            del model, deferred  # and the queue's references to its parameters, before the second build
+            return cls._build(args, task)
+        model.deferred_initialisation = deferred
+        return model
+
+    @classmethod
+    def _build(cls, args, task):
         base_lm_architecture(args)
         group_size = parallel_state.get_tensor_model_parallel_world_size()
         wanted = safe_getattr(args, "model_parallel_size", None)
@@ -335,7 +160,7 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
                 f"model-parallel group has {group_size} rank(s); pass --model-parallel-size "
                 f"{group_size} with a checkpoint saved at that size (or reshard the checkpoint)"
             )
-        check_data_parallel_backend(_data_parallel_backend_being_built(), group_size,
+        check_data_parallel_backend(data_parallel_backend_being_built(), group_size,
                                     cpu=safe_getattr(args, "cpu", False))
         check_options(args, group_size)
         if args.decoder_layers_to_keep:
@@ -363,9 +188,8 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
     def build_embedding(cls, args, dictionary, embed_dim, path=None):
         return VocabParallelEmbedding(len(dictionary), embed_dim, dictionary.pad())
 
-    # The draws left out of this model's build, when fairseq-train built it
-    # before knowing whether a checkpoint would fill it (fairseq_integration
-    # step 27); None once they ran or a checkpoint made them needless.
+    # The draws left out of this model's build (see build_model); None once
+    # they ran or a checkpoint made them needless.
     deferred_initialisation: Optional[sharding.DeferredInitialisation] = None
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):

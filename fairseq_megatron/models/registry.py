@@ -1,16 +1,20 @@
-"""Take over fairseq's model-parallel names, on purpose and in one place.
+"""Take over fairseq's model-parallel names and its language-modelling task,
+on purpose and in one place.
 
 ``import fairseq`` already registers model ``model_parallel_transformer_lm``,
 archs ``transformer_lm_megatron`` / ``transformer_lm_megatron_11b`` and
 criterion ``vocab_parallel_cross_entropy``, all backed by classes that need
 the unreleased Megatron git submodule. The Megatron-11b recipe and checkpoints
 use exactly these names, so we replace the entries instead of inventing new
-ones. fairseq's own ``register_*`` decorators cannot do that: registering a
+ones. The ``language_modeling`` task is taken over the same way
+(:mod:`fairseq_megatron.fairseq_integration.task`): a subclass that is
+fairseq's task for every model but ours. fairseq's own ``register_*`` decorators cannot do that: registering a
 known arch or criterion raises, and registering a known model name silently
 keeps the old class.
 """
 
 from fairseq.criterions import CRITERION_DATACLASS_REGISTRY, CRITERION_REGISTRY
+from fairseq.tasks import TASK_CLASS_NAMES, TASK_REGISTRY
 from fairseq.models import (
     ARCH_CONFIG_REGISTRY,
     ARCH_MODEL_INV_REGISTRY,
@@ -71,6 +75,22 @@ def take_over_criterion(name: str, dataclass):
         node = dataclass()
         node._name = name
         ConfigStore.instance().store(name=name, group="criterion", node=node, provider="fairseq")
+        return cls
+
+    return decorator
+
+
+def take_over_task(name: str, dataclass):
+    """``@register_task(name, dataclass)`` that replaces an existing task with a
+    subclass of it. fairseq's ``register_task`` keeps the first class
+    registered under a name, silently. The dataclass (and so the config, its
+    command-line options and the ConfigStore node) stays the one given,
+    fairseq's own for a subclass."""
+
+    def decorator(cls):
+        TASK_REGISTRY[name] = cls
+        TASK_CLASS_NAMES.add(cls.__name__)
+        setattr(cls, "__dataclass", dataclass)  # what register_task sets, read back by FairseqTask.add_args
         return cls
 
     return decorator

@@ -6,15 +6,16 @@ model-parallel size N therefore starts from exactly the weights of the same
 model at size 1, which is what the parity tests compare (Megatron-LM
 ``_initialize_affine_weight_cpu`` does the same).
 
-A model built only to receive a checkpoint's weights (fairseq's
-``load_model_ensemble_and_task``, which loads every parameter with
-``strict=True`` right after building) needs none of this:
-:func:`initialisation_skipped` leaves its shards NaN instead, so that a
-parameter the checkpoint failed to fill cannot pass for a trained one.
-A model that may or may not get a checkpoint's weights (fairseq-train, which
-builds before it looks for ``checkpoint_last.pt``) is built within
-:func:`initialisation_deferred`: the draws wait, and run only if no
-checkpoint fills the parameters, giving the same weights as at the build.
+A model that may get a checkpoint's weights (fairseq-train, which builds
+before it looks for ``checkpoint_last.pt``; every tool that loads a
+checkpoint) is built within :func:`initialisation_deferred`: its shards are
+NaN, so that a parameter the checkpoint failed to fill cannot pass for a
+trained one, and the draws wait, to run only if no checkpoint fills the
+parameters, giving the same weights as at the build. Drawing the master
+tensors is the whole cost of building the model: 14 s of 14 s for 8
+Megatron-11b layers (1.2B parameters) on 2 CPU threads, about 2 minutes for
+the 72 layers, on every rank at every model-parallel size (each rank draws
+the full master tensor of each layer).
 """
 
 import contextlib
@@ -38,29 +39,6 @@ def shard_of(full: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.
     """Rank ``rank``'s contiguous chunk of ``full`` along ``dim`` (a copy)."""
     size = divide(full.size(dim), world_size, f"dimension {dim} of a {tuple(full.shape)} tensor")
     return full.narrow(dim, rank * size, size).clone()
-
-
-_initialisation_skipped = False
-
-
-@contextlib.contextmanager
-def initialisation_skipped() -> Iterator[None]:
-    """Within this context :func:`init_shard_` fills shards with NaN instead of
-    drawing a master tensor, and draws nothing from the default generator.
-
-    For models whose every parameter is loaded from a checkpoint right after
-    they are built (``fairseq_integration`` step 26). Drawing the master
-    tensors is the whole cost of building the model: 14 s of 14 s for
-    8 Megatron-11b layers (1.2B parameters) on 2 CPU threads, so about
-    2 minutes on 2 threads for the 72 layers, on every rank at every
-    model-parallel size (each rank draws the full master tensor of each layer).
-    """
-    global _initialisation_skipped
-    previous, _initialisation_skipped = _initialisation_skipped, True
-    try:
-        yield
-    finally:
-        _initialisation_skipped = previous
 
 
 class DeferredInitialisation:
@@ -108,7 +86,7 @@ _deferred: Optional[DeferredInitialisation] = None
 def initialisation_deferred() -> Iterator[DeferredInitialisation]:
     """Within this context :func:`init_shard_` fills shards with NaN and
     queues its draw on the :class:`DeferredInitialisation` yielded, drawing
-    nothing from the default generator (``fairseq_integration`` step 27)."""
+    nothing from the default generator."""
     global _deferred
     previous, _deferred = _deferred, DeferredInitialisation()
     try:
@@ -124,12 +102,11 @@ def deferred_initialisation() -> Optional[DeferredInitialisation]:
 
 def draw_later(draw: Callable[[], object]) -> bool:
     """Whether an initialisation must not draw now: within
-    :func:`initialisation_skipped` (``draw`` is dropped) or
     :func:`initialisation_deferred` (``draw`` is queued). For
     :func:`init_shard_` and modules that initialise other than through it."""
-    if _deferred is not None and not _initialisation_skipped:
+    if _deferred is not None:
         _deferred.add(draw)
-    return _initialisation_skipped or _deferred is not None
+    return _deferred is not None
 
 
 def init_shard_(
@@ -142,8 +119,7 @@ def init_shard_(
 ) -> None:
     """Fill ``shard`` with this rank's slice of a master tensor of ``full_shape``
     initialised by ``init_method`` (in fp32 on the CPU, then cast); with NaN
-    within :func:`initialisation_skipped`, and within
-    :func:`initialisation_deferred` until its queue runs."""
+    within :func:`initialisation_deferred` until its queue runs."""
     def draw() -> None:
         full = torch.empty(full_shape, dtype=torch.float32)
         init_method(full)

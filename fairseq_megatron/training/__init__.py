@@ -1,2 +1,2 @@
-"""Training aids independent of fairseq: the fused AdamW, activation
-checkpointing and regional compilation, padding known on the host."""
+"""Training aids: the fused AdamW, activation checkpointing and regional
+compilation, padding known on the host."""

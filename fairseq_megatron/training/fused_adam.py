@@ -8,24 +8,24 @@ all parameters, so the step is memory-bound: roughly 90 GB of traffic for a
 1.3B-parameter model against the 36 GB that one fused pass needs (read
 param, grad, two moments; write param and moments).
 
-:func:`fused_adam_class` hands fairseq ``torch.optim.AdamW(fused=True)``
-instead, for fp32 parameters on CUDA: the same decoupled weight decay as
+For our models the trainer hands fairseq ``torch.optim.AdamW(fused=True)``
+instead (:class:`FairseqFusedAdam`), for fp32 parameters on CUDA: the same decoupled weight decay as
 fairseq's Adam ("corresponds to AdamW", fairseq's docstring). One difference:
 torch adds ``eps`` after dividing by the bias correction of the second
 moment, fairseq before; with the default ``eps = 1e-8`` the update differs
 only where ``sqrt(v)`` is itself of order ``eps``. Parameters that are not
 fp32 (``--memory-efficient-fp16`` keeps fp16 weights), CPU tensors and
-``--fp16-adam-stats`` get fairseq's own Adam, as before. ``--use-old-adam``
-turns the lookup off altogether (fairseq's flag).
+``--fp16-adam-stats`` keep fairseq's own Adam, and so does ``--use-old-adam``
+(fairseq's flag).
 
 It also lets the trainer skip an update with non-finite gradients on the
 device instead of testing the norm on the host first (see
 :meth:`FusedAdamW.skip_step_if_nonfinite`).
 """
 
-from typing import Callable, Optional
-
 import torch
+from fairseq.optim import FairseqOptimizer
+from fairseq.optim.adam import Adam, FairseqAdam
 
 
 class FusedAdamW(torch.optim.AdamW):
@@ -89,7 +89,7 @@ class FusedAdamW(torch.optim.AdamW):
         backward pass, and the GPU then idles while the host queues the
         optimizer and the next forward. Here nothing waits: the step's
         outcome travels to the host while the GPU works on, and
-        :meth:`last_step_skipped` reads it (fairseq_integration step 12 raises
+        :meth:`last_step_skipped` reads it (``MegatronTrainer.clip_grad_norm`` raises
         fairseq's FloatingPointError one update later)."""
         self._found_inf = torch.isfinite(grad_norm).logical_not().to(device=self._device, dtype=torch.float32).reshape(())
 
@@ -160,39 +160,35 @@ class _HostCopy:
         return self._value.item()
 
 
-def _build(params, use_fp16_stats: bool = False, **config):
-    from fairseq.optim.adam import Adam
-
-    params = list(params)
-    tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
-    if use_fp16_stats or not all(p.is_cuda and p.dtype == torch.float32 for p in tensors):
-        return Adam(params, **config)
-    return FusedAdamW(params, **config)
-
-
-def fused_adam_class(apex_lookup: Callable[[], Optional[type]]) -> Callable[[], Optional[Callable]]:
-    """A replacement for fairseq's ``get_fused_adam_class``: apex's class when
-    ``apex_lookup`` finds one, else a builder of :class:`FusedAdamW` (or of
-    fairseq's ``Adam`` for parameters the fused kernel should not take)."""
-
-    def lookup():
-        return apex_lookup() or _build
-
-    return lookup
+def fused_adam_applies(optimizer, cfg) -> bool:
+    """Whether ``optimizer`` (a fairseq optimizer, or None) is fairseq's
+    ``FairseqAdam`` running fairseq's Python ``Adam`` where
+    :class:`FusedAdamW` can take over: fp32 parameters on CUDA, no
+    ``--use-old-adam`` or ``--fp16-adam-stats`` (fairseq's flags). An apex
+    FusedAdam that fairseq found is kept."""
+    if type(optimizer) is not FairseqAdam or type(optimizer._optimizer) is not Adam:
+        return False
+    if getattr(cfg.optimizer, "use_old_adam", False) or getattr(cfg.optimizer, "fp16_adam_stats", False):
+        return False
+    params = [p for group in optimizer._optimizer.param_groups for p in group["params"]]
+    return bool(params) and all(p.is_cuda and p.dtype == torch.float32 for p in params)
 
 
-def route_to_fused(fairseq_adam_cls) -> None:
-    """Make fairseq's ``FairseqAdam`` hand ``multiply_grads`` and
-    ``clip_grad_norm`` to its inner optimizer when that is a
-    :class:`FusedAdamW` (fairseq's versions would touch every gradient
-    right away); any other inner optimizer keeps fairseq's methods. Call
-    once (``fairseq_integration.install`` does)."""
-    for name in ("multiply_grads", "clip_grad_norm"):
-        original = getattr(fairseq_adam_cls, name)
+class FairseqFusedAdam(FairseqAdam):
+    """fairseq's ``FairseqAdam`` (``--optimizer adam``) over :class:`FusedAdamW`,
+    which takes fairseq's gradient multiply and clipping into its kernel:
+    built from a ``FairseqAdam`` that fairseq made, keeping its parameter
+    groups (and their learning rates), config and wrappers."""
 
-        def method(self, *args, _original=original, _name=name, **kwargs):
-            if isinstance(self._optimizer, FusedAdamW):
-                return getattr(self._optimizer, _name)(*args, **kwargs)
-            return _original(self, *args, **kwargs)
+    def __init__(self, adam):
+        FairseqOptimizer.__init__(self, adam.cfg)
+        self._optimizer = FusedAdamW(adam._optimizer.param_groups, **adam.optimizer_config)
 
-        setattr(fairseq_adam_cls, name, method)
+    def multiply_grads(self, c) -> None:
+        """Multiply every gradient by ``c``, in the next step's kernel."""
+        self._optimizer.multiply_grads(c)
+
+    def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
+        """:meth:`FusedAdamW.clip_grad_norm`: one multi-tensor norm, and the
+        clipping coefficient applied by the next step's kernel."""
+        return self._optimizer.clip_grad_norm(max_norm, aggregate_norm_fn)

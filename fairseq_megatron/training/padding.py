@@ -6,7 +6,7 @@ the flash kernel. Testing a GPU tensor (``tokens.eq(pad).any()``) makes the host
 wait until the GPU has finished all queued work, the previous step's optimizer
 included, and the GPU then idles while the host launches the next forward.
 The batch was on the CPU a moment earlier, where the same test costs nothing:
-fairseq_integration step 11 runs it there and marks the GPU copy with the
+our trainer (``MegatronTrainer._prepare_sample``) runs it there and marks the GPU copy with the
 answer; :func:`has_padding` reads the mark and falls back to the GPU test for
 tensors without one (evaluation, generation, any other caller).
 

@@ -1,0 +1,205 @@
+"""``fairseq.distributed.utils`` for model parallelism on machines with or
+without GPUs: the ``mpu`` module fairseq imports, how its tools start their
+processes, and gathering on CPU.
+
+- :func:`provide_mpu`: fairseq imports ``fairseq.model_parallel.megatron.mpu``
+  when ``--model-parallel-size`` > 1, from a git submodule that no pip
+  release ships; :mod:`fairseq_megatron.parallel.mpu` is registered under
+  that name.
+- :func:`call_main` (every fairseq tool starts through it):
+
+  * On a machine without GPUs, torchrun, SLURM and fairseq's own spawn start
+    CPU processes with the gloo backend. fairseq divided by
+    ``torch.cuda.device_count()`` under torchrun (ZeroDivisionError), ignored
+    torchrun's ``WORLD_SIZE`` unless ``--distributed-world-size`` repeated
+    it, defaulted to NCCL, asserted a GPU per process without a launcher
+    ("world size is 2 but have 0 available devices"), failed in
+    ``torch.cuda.set_device`` under SLURM with one task per process, and
+    with one task per node spawned no process and exited 0 with nothing
+    trained. Without GPUs every process gets device id 0.
+  * The processes fairseq spawns itself (``--distributed-world-size N`` on
+    one machine, or one SLURM task per node) import this package before
+    fairseq's ``distributed_init``: they imported fairseq afresh and the
+    user dir only once ``main`` ran, after ``distributed_init`` had looked
+    for the mpu module ("Please install the megatron submodule" at any
+    model-parallel size above 1).
+  * fairseq-interactive spawned that way read /dev/null as standard input
+    and answered nothing; the launching process now passes its standard
+    input on to rank 0 through a named pipe given as ``--input``.
+  * With ``--user-dir`` of this package, a model-parallel size below 1 is
+    one error line (fairseq ran it as size 1).
+
+  These are the launch fixes that stock fairseq needs too on a machine
+  without GPUs (see ``docs/fairseq-changes.md``).
+- :func:`all_gather_list`: without GPUs, torch's ``all_gather_object``
+  (fairseq stages the data through a CUDA buffer, so fairseq-validate failed
+  with two or more data-parallel groups on CPU).
+"""
+
+import contextlib
+import os
+import socket
+import sys
+import threading
+import types
+
+import torch
+import torch.distributed as dist
+from fairseq.distributed import utils as distributed_utils
+
+from fairseq_megatron.errors import UsageError
+from fairseq_megatron.fairseq_integration.patching import fairseq_tool, original, plugin_on_command_line, replace
+
+_TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+
+
+def provide_mpu() -> None:
+    """Register :mod:`fairseq_megatron.parallel.mpu` as
+    ``fairseq.model_parallel.megatron.mpu`` (the package attribute included)."""
+    import fairseq.model_parallel
+
+    from fairseq_megatron.parallel import mpu
+
+    package = types.ModuleType("fairseq.model_parallel.megatron")
+    package.__path__ = []  # a namespace with one submodule, mpu
+    package.mpu = mpu
+    sys.modules["fairseq.model_parallel.megatron"] = package
+    sys.modules["fairseq.model_parallel.megatron.mpu"] = mpu
+    replace(fairseq.model_parallel, "megatron", package,
+            "the megatron submodule's mpu, which no pip release of fairseq ships")
+
+
+def _infer_launch_without_gpus(launch) -> None:
+    """Fill in ``launch`` (fairseq's ``cfg.distributed_training``) as fairseq's
+    ``infer_init_method`` would, for CPU processes: under torchrun, SLURM, or
+    spawned on this machine. ``launch.distributed_num_procs`` is the number of
+    processes to spawn here (fairseq counted GPUs)."""
+    if all(k in os.environ for k in _TORCHRUN_VARS):
+        launch.distributed_init_method = "env://"
+        launch.distributed_world_size = int(os.environ["WORLD_SIZE"])
+        launch.distributed_rank = int(os.environ["RANK"])
+        launch.device_id = 0  # fairseq calls cuda.set_device(id) for id > 0
+        launch.distributed_no_spawn = True
+        return
+    if launch.distributed_world_size <= 1:
+        return
+    world_size = launch.distributed_world_size
+    if distributed_utils._infer_slurm_init(launch, None):  # fairseq's SLURM branch; then the GPU counts fixed
+        launch.device_id = 0
+        if not launch.distributed_no_spawn:  # one task per node: it counted the node's GPUs
+            nodes = int(os.environ["SLURM_NNODES"])
+            if world_size % nodes:
+                raise UsageError(f"--distributed-world-size {world_size} is not divisible by the {nodes} SLURM "
+                                 f"nodes (one task per node spawns the same number on each)")
+            launch.distributed_num_procs = world_size // nodes
+            launch.distributed_world_size = world_size
+            launch.distributed_rank = int(os.environ["SLURM_NODEID"]) * launch.distributed_num_procs
+        return
+    if launch.distributed_port <= 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            launch.distributed_port = s.getsockname()[1]
+    launch.distributed_init_method = f"tcp://localhost:{launch.distributed_port}"
+    launch.distributed_num_procs = world_size
+
+
+def _distributed_main_with_the_plugin(index: int, main, cfg, kwargs) -> None:
+    """What each process that fairseq's launch spawns runs: fairseq's
+    ``distributed_main``, after this module's import (the process unpickles
+    this function by its module path), which installs the plugin. Our
+    bad-input errors end as one line here too (torch's spawn catches them
+    before the excepthook would); the parent then reports the exit status."""
+    from fairseq_megatron.fairseq_integration.one_line_errors import printed_as_one_line
+
+    try:
+        distributed_utils.distributed_main(index, main, cfg, kwargs)
+    except Exception as e:
+        if printed_as_one_line(e):
+            sys.exit(1)
+        raise
+
+
+@contextlib.contextmanager
+def _standard_input_through_a_pipe():
+    """The path of a named pipe that yields this process's standard input,
+    copied line by line by a daemon thread; removed on exit. The thread
+    blocks until a reader opens the pipe and ends with the input, or when
+    the reader goes away."""
+    import shutil
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="fairseq-interactive-")
+    path = os.path.join(directory, "stdin")
+    os.mkfifo(path)
+
+    def copy():
+        try:
+            with open(path, "w", encoding="utf-8") as pipe:
+                for line in sys.stdin:
+                    pipe.write(line)
+                    pipe.flush()
+        except (BrokenPipeError, OSError):  # the reader exited first
+            pass
+
+    threading.Thread(target=copy, name="stdin-to-rank-0", daemon=True).start()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def call_main(cfg, main, **kwargs):
+    """fairseq's ``call_main`` (``fairseq/distributed/utils.py``): the launch
+    inferred (without GPUs, by :func:`_infer_launch_without_gpus`), then the
+    processes spawned with the plugin loaded, or ``main`` run here.
+
+    Raises:
+        UsageError: with ``--user-dir`` of this package, a model-parallel
+            size below 1; SLURM nodes that do not divide the world size.
+    """
+    size = cfg.common.model_parallel_size
+    if plugin_on_command_line() and size < 1:
+        raise UsageError(f"--model-parallel-size {size}: the number of model parts is at least 1")
+    launch = cfg.distributed_training
+    if torch.cuda.device_count() == 0 and not cfg.common.tpu:
+        if launch.distributed_backend == "nccl":
+            launch.distributed_backend = "gloo"  # NCCL needs GPUs
+        if launch.distributed_init_method is None:
+            _infer_launch_without_gpus(launch)
+        elif not launch.distributed_no_spawn:
+            launch.distributed_num_procs = launch.distributed_world_size  # fairseq: one per GPU, none
+    elif launch.distributed_init_method is None:
+        distributed_utils.infer_init_method(launch)  # what fairseq's call_main does first
+    if launch.distributed_init_method is None or launch.distributed_no_spawn or cfg.common.tpu:
+        return original(distributed_utils, "call_main")(cfg, main, **kwargs)
+    # fairseq's spawn, of processes that load this plugin first
+    nprocs = launch.distributed_num_procs if torch.cuda.device_count() == 0 else \
+        min(torch.cuda.device_count(), launch.distributed_world_size)
+    kwargs["start_rank"] = launch.distributed_rank
+    launch.distributed_rank = None  # assigned in each process
+    interactive = getattr(cfg, "interactive", None)
+    with contextlib.ExitStack() as stack:
+        if interactive is not None and interactive.input == "-" and fairseq_tool() == "interactive":
+            interactive.input = stack.enter_context(_standard_input_through_a_pipe())
+        torch.multiprocessing.spawn(fn=_distributed_main_with_the_plugin, args=(main, cfg, kwargs), nprocs=nprocs,
+                                    join=True)
+
+
+def all_gather_list(data, group=None, max_size=16384):
+    """fairseq's gather of any picklable ``data`` from every rank of
+    ``group`` (a list in rank order); without GPUs, torch's
+    ``all_gather_object`` (fairseq stages it through a CUDA buffer)."""
+    if torch.cuda.is_available() or distributed_utils.use_xla():
+        return original(distributed_utils, "all_gather_list")(data, group=group, max_size=max_size)
+    if group is None:
+        group = distributed_utils.get_global_group()
+    gathered = [None] * dist.get_world_size(group=group)
+    dist.all_gather_object(gathered, data, group=group)
+    return gathered
+
+
+def install() -> None:
+    provide_mpu()
+    replace(distributed_utils, "call_main", call_main,
+            "CPU processes under torchrun, SLURM or spawn; spawned processes load the plugin")
+    replace(distributed_utils, "all_gather_list", all_gather_list, "gathers without a CUDA buffer on CPU")

@@ -1,0 +1,121 @@
+"""``fairseq-train`` (``fairseq_cli/train.py``) for our models.
+
+- ``Trainer`` and ``MegatronTrainer``, the two classes it builds, are both
+  :func:`~fairseq_megatron.fairseq_integration.trainer.build_trainer`, which
+  picks our :class:`~fairseq_megatron.fairseq_integration.trainer.MegatronTrainer`
+  for our models at every model-parallel size and fairseq's classes otherwise.
+- ``main`` checks the launch before it writes anything: fairseq's ``main``
+  creates ``--save-dir`` (and writes a probe file into it) first, and only
+  building the model refused ``--model-parallel-size`` > 1 in one process
+  and ``--ddp-backend fully_sharded``, so both left an empty save dir
+  behind; ``--bf16`` without torch_xla and ``--fp16`` on CPU failed with
+  tracebacks after building it; a ``--save-dir`` with a file in its path
+  was "Not a directory: '<save-dir>/dummy'". (The model's own option checks
+  already run while fairseq parses the command line.) The refusals that
+  need the task or a checkpoint (a dict.txt other than the checkpoint's,
+  training samples all longer than the model's positions) come after
+  ``main`` made the directory; a run that fails removes the directories it
+  made if they are still empty.
+- ``train`` (one epoch) returns at once when the checkpoint it resumed from
+  has reached ``--max-update``: fairseq trained one more update before
+  testing the limit and saved it over ``checkpoint_last`` (and an interval
+  checkpoint), so each rerun of a finished command (a requeued job) moved
+  the finished model on by one update.
+
+Each applies to our architectures only.
+"""
+
+import argparse
+import logging
+import os
+
+from fairseq import distributed_utils
+
+from fairseq_megatron.fairseq_integration.patching import original, replace_in_cli_module
+from fairseq_megatron.fairseq_integration.trainer import build_trainer, is_our_model
+
+logger = logging.getLogger(__name__)
+
+_MODULE = "fairseq_cli.train"
+
+
+def _cli():
+    import fairseq_cli.train
+
+    return fairseq_cli.train
+
+
+def main(cfg, **kwargs):
+    """fairseq-train's ``main``, after the checks above for our architectures."""
+    from fairseq_megatron.errors import check_directory_can_be_made
+    from fairseq_megatron.models.model_parallel_transformer_lm import is_model_parallel_arch
+    from fairseq_megatron.models.options import (
+        check_data_parallel_backend,
+        check_processes,
+        check_training_precision,
+    )
+    from fairseq_megatron.parallel import parallel_state
+
+    run = original(_cli(), "main")
+    if isinstance(cfg, argparse.Namespace):
+        from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+        cfg = convert_namespace_to_omegaconf(cfg)
+    # "arch" in the parsed namespace, "_name" in a Hydra config
+    arch = getattr(cfg.model, "_name", None) or getattr(cfg.model, "arch", None)
+    if not is_model_parallel_arch(arch):
+        return run(cfg, **kwargs)
+    check_directory_can_be_made(cfg.checkpoint.save_dir, f"--save-dir {cfg.checkpoint.save_dir}")
+    size = cfg.common.model_parallel_size
+    check_processes(size, parallel_state.world_size(None))
+    check_data_parallel_backend(cfg.distributed_training.ddp_backend, size, cfg.common.cpu)
+    check_training_precision(cfg.common)
+    # fairseq's main makes --save-dir on the master rank only
+    made = directories_missing(cfg.checkpoint.save_dir) if distributed_utils.is_master(
+        cfg.distributed_training) else []
+    try:
+        return run(cfg, **kwargs)
+    except BaseException:
+        remove_while_empty(made)
+        raise
+
+
+def train(cfg, trainer, task, epoch_itr):
+    """fairseq_cli.train's ``train`` (one epoch), which tests ``--max-update``
+    only after each update; every rank has loaded the same update count, so
+    all of them stop here alike."""
+    max_update = cfg.optimization.max_update
+    if is_our_model(trainer.get_model()) and max_update and trainer.get_num_updates() >= max_update:
+        logger.info(f"nothing to train: the checkpoint is at update {trainer.get_num_updates()}, "
+                    f"--max-update is {max_update}; no checkpoint saved")
+        return [None], True  # (validation losses, stop), as after an update that reached the limit
+    return original(_cli(), "train")(cfg, trainer, task, epoch_itr)
+
+
+def directories_missing(path: str) -> list:
+    """``path`` and those of its ancestors that do not exist, deepest first
+    (the walk ends at the file system's root at the latest, which exists)."""
+    missing = []
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def remove_while_empty(directories: list) -> None:
+    """``os.rmdir`` each of ``directories`` (deepest first) until one is
+    missing or not empty: never removes a file, nor a directory a file is in."""
+    for directory in directories:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return
+
+
+def install() -> None:
+    why = "our models get MegatronTrainer at every model-parallel size, other models fairseq's classes"
+    replace_in_cli_module(_MODULE, "Trainer", build_trainer, why)
+    replace_in_cli_module(_MODULE, "MegatronTrainer", build_trainer, why)
+    replace_in_cli_module(_MODULE, "main", main, "our launch checked before --save-dir is written")
+    replace_in_cli_module(_MODULE, "train", train, "a finished run of ours trains and saves nothing")

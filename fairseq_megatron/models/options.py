@@ -1,0 +1,248 @@
+"""The options of our model: the checks that refuse what it cannot be built
+or trained with, and the dictionary padding that depends on the
+model-parallel size. The architecture functions call :func:`check_options`
+while fairseq parses its command line; ``build_model`` calls the rest;
+fairseq-train's start (:mod:`fairseq_megatron.fairseq_integration.train`)
+calls the launch checks before it writes anything.
+"""
+
+from typing import Optional, Sequence
+
+import torch
+from fairseq.utils import safe_getattr
+
+from fairseq_megatron.errors import UsageError
+
+
+def split_dimensions(heads: Optional[int], ffn: Optional[int], padded_vocab: Optional[int] = None):
+    """The dimensions the model-parallel size must divide, as
+    ``(what, flag, size)``: the attention heads and the FFN units, which are
+    split over the ranks, and the padded vocabulary rows (when known). The one
+    list every check of a model-parallel size uses (command-line options,
+    checkpoints, the planner)."""
+    return [(what, flag, int(n)) for what, flag, n in (
+        ("attention heads", "--decoder-attention-heads", heads),
+        ("FFN size", "--decoder-ffn-embed-dim", ffn),
+        ("padded vocabulary", "--padded-vocab-size", padded_vocab),
+    ) if n is not None]
+
+
+def undivided_dimension(size: int, heads: Optional[int], ffn: Optional[int], padded_vocab: Optional[int] = None):
+    """The first of :func:`split_dimensions` that ``size`` does not divide,
+    ``(what, flag, size)``, or None."""
+    return next(((what, flag, n) for what, flag, n in split_dimensions(heads, ffn, padded_vocab) if n % size),
+                None)
+
+
+def check_dictionary_size(symbols: Sequence[str], size: int, trained_with: Optional[int], checkpoint: str) -> None:
+    """Refuse a dictionary other than the one a checkpoint's model was trained with.
+
+    ``symbols`` is the dictionary's symbol list (fairseq's four special
+    symbols first; padding may follow), ``size`` its length before padding,
+    ``trained_with`` the length the checkpoint records (``dictionary_size``;
+    None for checkpoints from before the record, which are not checked),
+    ``checkpoint`` how the message names it. The same dictionary has that
+    many symbols, or more only by ``madeupwordNNNN`` padding symbols (a
+    dictionary saved after padding).
+
+    Padding to a recorded vocabulary size (see :func:`pad_dictionary`) would
+    take a shorter dictionary without a word, where fairseq's non-parallel
+    model failed to load it ("size mismatch"): every token would then be
+    looked up in rows learnt for other symbols.
+
+    Raises:
+        UsageError: the sizes differ.
+    """
+    if trained_with is None:
+        return
+    if size < trained_with or not all(s.startswith("madeupword") for s in symbols[trained_with:]):
+        raise UsageError(
+            f"the dictionary has {size} symbols but {checkpoint} was trained with {trained_with}: "
+            f"wrong dict.txt for this checkpoint"
+        )
+
+
+def pad_dictionary(dictionary, model_parallel_size: int, padded_vocab_size: Optional[int] = None) -> int:
+    """Pad ``dictionary`` in place with ``madeupwordNNNN`` symbols; return its new size.
+
+    A new model pads to a multiple of ``8 * model_parallel_size``, as fairseq
+    does, so the size depends on the model-parallel size it was first built
+    with. That size is then recorded in the model config
+    (``padded_vocab_size``) and reused exactly, so a checkpoint resharded to
+    another model-parallel size keeps every embedding row and the same
+    softmax over the same vocabulary.
+
+    Raises:
+        UsageError: the dictionary is larger than ``padded_vocab_size``, or
+            the size is not divisible by the model-parallel size.
+    """
+    if padded_vocab_size is None:
+        dictionary.pad_to_multiple_(8 * model_parallel_size)
+    else:
+        if len(dictionary) > padded_vocab_size:
+            raise UsageError(
+                f"the dictionary has {len(dictionary)} symbols but the vocabulary has {padded_vocab_size} rows "
+                f"(--padded-vocab-size, or a checkpoint's record of it): a --padded-vocab-size too small, "
+                f"or the wrong dict.txt for the checkpoint"
+            )
+        i = 0
+        while len(dictionary) < padded_vocab_size:
+            symbol = f"madeupword{i:04d}"
+            if symbol not in dictionary.indices:
+                dictionary.add_symbol(symbol, n=0)
+            i += 1
+    if len(dictionary) % model_parallel_size != 0:
+        raise UsageError(
+            f"padded vocabulary size {len(dictionary)} is not divisible by the "
+            f"model-parallel size {model_parallel_size}"
+        )
+    return len(dictionary)
+
+
+def check_processes(model_parallel_size: int, processes: int) -> None:
+    """Refuse ``model_parallel_size`` model parts in one process.
+
+    ``processes`` is the run's world size (1 when torch.distributed is not
+    initialised: no launcher). A world size that ``model_parallel_size``
+    does not divide is refused where the groups are made
+    (:func:`fairseq_megatron.parallel.parallel_state.initialize_model_parallel`).
+
+    Raises:
+        UsageError: ``model_parallel_size`` < 1 (fairseq ran 0 or a negative
+            size as size 1, or failed later on a group size that differs), or
+            > 1 and ``processes`` == 1.
+    """
+    if model_parallel_size < 1:
+        raise UsageError(f"--model-parallel-size {model_parallel_size}: the number of model parts is at least 1")
+    if model_parallel_size > 1 and processes == 1:
+        raise UsageError(
+            f"--model-parallel-size {model_parallel_size} needs {model_parallel_size} processes, one per model "
+            f"part, and this run is one process: launch it with torchrun --nproc_per_node {model_parallel_size} "
+            f"(or give fairseq --distributed-world-size {model_parallel_size} on a machine with "
+            f"{model_parallel_size} GPUs)"
+        )
+
+
+def check_data_parallel_backend(ddp_backend: str, model_parallel_size: int, cpu: bool) -> None:
+    """Refuse fairseq-train's ``--ddp-backend fully_sharded`` for this model.
+
+    fairseq-train then builds the model inside fairscale's ``enable_wrap``
+    (``fairseq/distributed/fully_sharded_data_parallel.py``) to wrap it in
+    FSDP, which flattens the parameters and shards them over the
+    data-parallel ranks. At model-parallel size > 1 the gradient norm
+    (:mod:`fairseq_megatron.parallel.grad_norm`: each parameter's rule found by name,
+    summed over the model-parallel group only) and the model part files
+    expect every rank to hold its whole part, so that is refused; on CPU
+    (``cpu``, or no CUDA) fairscale's FSDP fails with "Torch not compiled
+    with CUDA enabled". Other backends pass.
+
+    Raises:
+        UsageError: either case.
+    """
+    if ddp_backend != "fully_sharded":
+        return
+    others = "use --ddp-backend pytorch_ddp (the default), no_c10d or legacy_ddp"
+    if model_parallel_size > 1:
+        raise UsageError(f"--ddp-backend fully_sharded does not work with --model-parallel-size "
+                         f"{model_parallel_size} (FSDP would shard the model parts over the data-parallel "
+                         f"ranks); {others}")
+    if cpu or not torch.cuda.is_available():
+        raise UsageError(f"--ddp-backend fully_sharded needs CUDA GPUs (fairscale's FSDP); on CPU {others}")
+
+
+def check_training_precision(common) -> None:
+    """Refuse fairseq-train precision flags that fail later on this machine.
+
+    ``common``: fairseq's ``cfg.common``. ``--bf16`` means TPU in fairseq
+    0.12 (it sets ``--tpu``; FAIRSEQ_FACTS.md) and without ``torch_xla``
+    fairseq-train failed with "'NoneType' object has no attribute
+    'xla_device'". ``--fp16`` on CPU (``--cpu``, or no CUDA) failed in
+    ``fairseq/optim/fp16_optimizer.py``, whose fp32 master weights go to the
+    current CUDA device: "Torch not compiled with CUDA enabled".
+    ``--memory-efficient-fp16`` and ``--amp`` run there and pass.
+
+    Raises:
+        UsageError: either case, naming the flag to use instead.
+    """
+    import importlib.util
+
+    if (common.bf16 or common.memory_efficient_bf16) and importlib.util.find_spec("torch_xla") is None:
+        flag = "--memory-efficient-bf16" if common.memory_efficient_bf16 else "--bf16"
+        raise UsageError(f"fairseq's {flag} means TPU (it needs torch_xla); for bf16 on a GPU or CPU "
+                         f"use --bf16-autocast (fp32 weights, bf16 autocast)")
+    fp16_optimizer = common.fp16 and not common.memory_efficient_fp16  # fairseq sets fp16 for both
+    if fp16_optimizer and (common.cpu or not torch.cuda.is_available()):
+        raise UsageError("--fp16 needs a CUDA GPU (fairseq's FP16 optimizer keeps its fp32 master weights "
+                         "there); on CPU train in fp32 or with --bf16-autocast")
+
+
+def data_parallel_backend_being_built() -> str:
+    """``fully_sharded`` while fairseq-train builds the model inside
+    fairscale's ``enable_wrap`` (its FSDP backend), else ``pytorch_ddp``.
+    Not the config's ``ddp_backend``: a checkpoint's config records the
+    backend of its training, and evaluating it builds the model without FSDP."""
+    from fairscale.nn.wrap.auto_wrap import ConfigAutoWrap
+
+    return "fully_sharded" if ConfigAutoWrap.in_autowrap_context else "pytorch_ddp"
+
+
+def check_options(args, model_parallel_size: int) -> None:
+    """Refuse options this model cannot be built or trained with, from the
+    options alone: sizes the model-parallel size does not divide, conflicting
+    precision flags, ``--cuda-graphs`` with gradient accumulation, and
+    transformer_lm options the layers do not implement.
+
+    fairseq's parser gives our archs every transformer_lm option; these the
+    layers would ignore: NormFormer's scalings (``--scale-attn``,
+    ``--scale-fc``, ``--scale-heads``, ``--scale-resids``), quantization noise,
+    BASE layers, xformers attention; input/output dimensions other than the
+    embedding's failed in the first forward on mismatched shapes. Checkpoints
+    without these options (the published Megatron-11b's 2020 ``args``) pass.
+
+    Called by the architecture functions, which fairseq-train runs while
+    parsing its command line (so bad options stop it before it creates
+    ``--save-dir``), and again by ``build_model`` for configs that did not
+    pass through them (checkpoints, Hydra).
+
+    Raises:
+        UsageError: the first refusal, naming the options to change.
+        NotImplementedError: adaptive input/softmax or character embeddings.
+    """
+    undivided = undivided_dimension(model_parallel_size, args.decoder_attention_heads, args.decoder_ffn_embed_dim)
+    if undivided is not None:
+        _, flag, value = undivided
+        raise UsageError(f"{flag} {value} is not divisible by --model-parallel-size {model_parallel_size}")
+    if args.decoder_embed_dim % args.decoder_attention_heads != 0:
+        raise UsageError(f"--decoder-embed-dim {args.decoder_embed_dim} is not divisible by "
+                         f"--decoder-attention-heads {args.decoder_attention_heads}")
+    if safe_getattr(args, "bf16_autocast", False):
+        half = [f"--{f.replace('_', '-')}" for f in ("fp16", "memory_efficient_fp16", "amp")
+                if safe_getattr(args, f, False)]
+        if half:
+            raise UsageError(f"--bf16-autocast trains fp32 weights under bf16 autocast; drop {' '.join(half)}")
+    accumulated = max(safe_getattr(args, "update_freq", None) or [1])
+    if safe_getattr(args, "cuda_graphs", False) and accumulated > 1:
+        # The backward graph's weight gradients live in the graphs' memory
+        # pool; the next micro-batch's replay overwrites the gradient being
+        # accumulated (pytorch/pytorch#96693: silently wrong sums).
+        raise UsageError(
+            f"--cuda-graphs with --update-freq {accumulated}: a CUDA graph replay would overwrite "
+            "the gradients being accumulated; use --update-freq 1 (a larger --batch-size instead)"
+        )
+    embed_dim = args.decoder_embed_dim
+    given = [f"--{flag.replace('_', '-')}" for flag in ("scale_attn", "scale_fc", "scale_heads", "scale_resids")
+             if safe_getattr(args, flag, False)]
+    given += [f"--{flag.replace('_', '-')} {safe_getattr(args, flag)}"
+              for flag in ("quant_noise_pq", "quant_noise_scalar", "base_layers", "decoder_xformers_att_config")
+              if safe_getattr(args, flag, None)]
+    given += [f"--{flag.replace('_', '-')} {safe_getattr(args, flag)}"
+              for flag in ("decoder_input_dim", "decoder_output_dim")
+              if safe_getattr(args, flag, embed_dim) != embed_dim]
+    if given:
+        raise UsageError(f"{' '.join(given)}: not implemented by the model-parallel decoder; drop it "
+                         f"(fairseq's own transformer_lm has it, without model parallelism)")
+    if (safe_getattr(args, "character_embeddings", False) or safe_getattr(args, "adaptive_input", False)
+            or safe_getattr(args, "adaptive_softmax_cutoff", None)):
+        raise NotImplementedError(
+            "character embeddings, adaptive input and adaptive softmax are not model parallel"
+        )

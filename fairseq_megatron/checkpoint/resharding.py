@@ -9,7 +9,9 @@ non-parallel ``transformer_lm``; :mod:`fairseq_megatron.checkpoint.part_files`
 finds and names the part files).
 
 Memory: inputs are memory-mapped (``torch.load(mmap=True)``) and reopened for
-every layer, so only the layer being copied is resident; the output parts are
+every layer, so only the layer being copied is resident (a layer's mappings
+close when its last tensor is dropped: the loaded dicts hold no reference
+cycles); the output parts are
 built and written one at a time. Peak RSS is about one output part plus one
 layer of the input (see ``scripts/benchmark_reshard.py``). Files in torch's
 legacy format (before PyTorch 1.6) cannot be mapped and are read whole.
@@ -22,7 +24,6 @@ The split rules are in :mod:`fairseq_megatron.checkpoint.layout`.
 """
 
 import copy
-import gc
 import hashlib
 import os
 import re
@@ -169,8 +170,8 @@ class PartFiles:
     """The part files of one checkpoint, memory-mapped on demand.
 
     :meth:`models` maps every part and returns their model state dicts; the
-    caller drops them (and calls :meth:`release`) when done, which unmaps
-    the files, so pages read for one layer do not stay resident.
+    caller drops them when done, which unmaps the files, so pages read for
+    one layer do not stay resident.
 
     Files in torch's legacy format (saved before PyTorch 1.6, as checkpoints
     of 2019-2020 may be) cannot be mapped: they are read once, whole, and
@@ -244,10 +245,6 @@ class PartFiles:
             found.append(value)
         return found
 
-    @staticmethod
-    def release() -> None:
-        gc.collect()
-
 
 def layer_groups(keys: Iterable[str]) -> List[List[str]]:
     """Keys grouped by transformer layer (``decoder.layers.N.``), other keys in one group, order kept."""
@@ -296,8 +293,7 @@ def _verify(path: str, expected: Dict[str, str]) -> None:
                 raise CheckpointError(f"verification of {path} failed at tensor {key}")
             budget += tensors[key].nbytes
             i += 1
-        del tensors
-        gc.collect()
+        del tensors  # unmaps this chunk
 
 
 def save_verified(state: dict, path: str, verify: bool) -> None:
@@ -311,7 +307,6 @@ def save_verified(state: dict, path: str, verify: bool) -> None:
         expected = {k: tensor_checksum(v) for k, v in _checked_tensors(state).items()} if verify else None
         torch.save(state, tmp)
         state.clear()
-        gc.collect()
         if verify:
             _verify(tmp, expected)
         os.replace(tmp, path)
@@ -362,8 +357,7 @@ def model_part(parts: PartFiles, rank: int, num_parts: int, check_replicas: bool
                 out[key] = tensors[0].clone()
             else:
                 out[key] = slice_for_part(tensors, dim, rank, num_parts)
-        del state_dicts, tensors
-        parts.release()
+        del state_dicts, tensors  # the layer's mappings close here
         if progress:
             progress(group[0])
     for key, target in aliases.items():
@@ -419,7 +413,6 @@ def _optimizer_part(parts: PartFiles, rank: int, num_parts: int, check_replicas:
                     entries[name] = t
             per_key[key] = entries
         del checkpoints, views
-        parts.release()
         if progress:
             progress(group[0])
     source = parts.metadata["last_optimizer_state"]
@@ -503,7 +496,6 @@ def resharded_model(input_path: str, rank: int, size: int,
     if not 0 <= rank < size:
         raise CheckpointError(f"model part {rank} does not exist at model-parallel size {size}")
     model = model_part(parts, rank, size, check_replicas=True, progress=None, entry=entry)
-    parts.release()
     return model, parts.padded_vocab_size
 
 
@@ -542,5 +534,4 @@ def reshard(input_path: str, output_path: str, new_size: int, verify: bool = Tru
                             progress=progress)
         save_verified(state, out, verify)
         del state
-        parts.release()
     return outputs

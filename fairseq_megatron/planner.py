@@ -102,7 +102,7 @@ class ModelShape:
         """Model FLOPs per trained token (forward + backward, no recompute):
         ``6 * parameters + 12 * layers * hidden * seq_len``, the attention
         scores and their weighted sum counted in full (Chowdhery et al. 2022,
-        PaLM, appendix B; the formula issue #6 states)."""
+        PaLM, appendix B)."""
         return 6 * self.parameters() + 12 * self.layers * self.hidden * self.seq_len
 
 

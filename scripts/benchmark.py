@@ -11,8 +11,7 @@ the model-parallel size is above 1) on synthetic binarized data with a
 default, and prints:
 
 - tokens/s: the median of fairseq's own ``wps`` over the last three log
-  intervals (steady state; the first intervals hold warm-up and compilation),
-  the way ``../shared/gpu/fairseq_baseline.sh`` measures the baseline
+  intervals (steady state; the first intervals hold warm-up and compilation)
   (``FAIRSEQ_MEGATRON_PROFILE=table.txt`` also writes a torch.profiler
   kernel table of five steps per implementation, ``table-megatron.txt``
   and ``table-fairseq.txt``, each headed by :func:`gpu_busy_summary`, plus a
@@ -22,18 +21,19 @@ default, and prints:
 - model TFLOP/s: tokens/s x (6 x params + 12 x layers x hidden x seq_len),
   the usual model-FLOPs count (Narayanan et al. 2021, appendix; no
   recomputation counted), with params computed from the shape;
-- share of ``--peak-tflops`` (798: the measured dense fp16/bf16 matmul rate
-  of the lent H100);
+- share of ``--peak-tflops`` (default 798: a dense fp16/bf16 matmul rate
+  measured on an H100);
 - peak memory: the largest ``torch.cuda.max_memory_allocated`` of any rank
   over all steps, GiB (peak resident set size of the largest rank on CPU).
 
 ``--with-fairseq`` also runs fairseq's own non-parallel ``transformer_lm``
 (same shape, data, batch, optimizer and precision) in the same invocation,
 so ratios compare numbers taken on the same machine at the same time.
-``--with-anchor ../shared/gpu/sdpa_gpt_anchor.py`` does the same for the
-compiled minimal GPT that issue #6 sets as the target (its ``bench`` for this
-shape with ``compile_=True``, in a fresh process; no fairseq-train, its own
-50,048-row vocabulary and random tokens).
+``--with-anchor FILE`` does the same for a compiled minimal GPT in plain
+PyTorch, the speed target (``FILE``'s ``bench`` for this shape with
+``compile_=True``, in a fresh process; no fairseq-train, its own 50,048-row
+vocabulary and random tokens; ``scripts/gpu_check.sh`` passes the one of the
+GPU kit).
 ``--csv`` adds one row per configuration to that file (the whole file is
 written under a temporary name, then renamed; a file with other columns is
 refused before anything runs); ``--png`` draws tokens/s and peak memory per
@@ -152,7 +152,7 @@ def _model_parallel_size(args, impl: str) -> int:
 def _precision(args, impl: str, use_cuda: bool) -> str:
     """Ours runs ``args.precision``; fairseq's transformer_lm has no bf16 GPU
     path (its ``--bf16`` means TPU), so against ``bf16-autocast`` it runs
-    ``--fp16``, its fastest GPU recipe and the one the peers measured."""
+    ``--fp16``, its fastest GPU recipe."""
     if impl == "fairseq" and args.precision == "bf16-autocast":
         return "fp16" if use_cuda else "fp32"
     return args.precision
@@ -180,7 +180,7 @@ def train_command(args, impl: str, shape: dict, data_dir: str, result_file: str,
             model.append("--compile-layers")
         if args.cuda_graphs:
             model.append("--cuda-graphs")
-    else:  # fairseq's own transformer_lm, as ../shared/gpu/fairseq_baseline.sh runs it
+    else:  # fairseq's own transformer_lm, at the same shape
         model = ["--arch", "transformer_lm_gpt2_small", *dims, "--dropout", "0.1"]
     if args.checkpoint_activations:
         model.append("--checkpoint-activations")
@@ -605,10 +605,7 @@ def draw_png(csv_path: str, png_path: str) -> None:
     os.replace(tmp, png_path)
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--fairseq-train-child":
-        return run_child(argv[1], argv[3:])
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     p.add_argument("--model-parallel-size", type=int, default=1)
@@ -616,7 +613,7 @@ def main(argv=None):
     p.add_argument("--only-fairseq", action="store_true", help="time only fairseq's transformer_lm")
     p.add_argument("--only-anchor", action="store_true", help="time only the --with-anchor GPT")
     p.add_argument("--with-anchor", metavar="FILE",
-                   help="also time the compiled minimal GPT of FILE (../shared/gpu/sdpa_gpt_anchor.py)")
+                   help="also time the compiled minimal GPT of FILE (a script defining bench(name, L, d, h, f, compile_, B, T))")
     p.add_argument("--precision", choices=["fp16", "amp", "memory-efficient-fp16", "fp32", "bf16-autocast"],
                    help="default: fp16 on GPU, fp32 on CPU. bf16-autocast: fp32 weights, bf16 "
                         "autocast (ours only; fairseq's transformer_lm then runs --fp16)")
@@ -643,6 +640,14 @@ def main(argv=None):
     p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "fairseq_megatron_bench"))
     p.add_argument("--csv", help="add the results to this CSV (made if missing)")
     p.add_argument("--png", help="chart of every row of --csv (needs --csv and matplotlib)")
+    return p
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--fairseq-train-child":
+        return run_child(argv[1], argv[3:])
+    p = build_parser()
     args = p.parse_args(argv)
     if args.png and not args.csv:
         p.error("--png draws the rows of --csv; pass --csv too")

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Re-measure the speed table on one GPU, in one call of the device tool.
+# Re-measure the speed table on one GPU machine, in one command.
 #
-#   bash scripts/gpu_check.sh --prepare [REF]     # here, before the call (default REF: main)
+#   bash scripts/gpu_check.sh --prepare [REF]     # beforehand, in a checkout (default REF: main)
 #   bash scripts/gpu_check.sh [options]           # on the GPU machine, carrying .gpu
 #
-# --prepare copies the GPU kit (../shared/gpu: fairseq and fairscale wheels,
-# the compiled minimal GPT) to .gpu/, git-ignored, and exports REF's tree to
-# .gpu/base so that the same call can time that code next to the working
+# --prepare runs the GPU kit's prepare.sh (the folder $GPU_KIT, default
+# ../shared/gpu beside the checkout), which puts fairseq and fairscale wheels
+# and the compiled minimal GPT in .gpu/, git-ignored; it exports REF's tree to
+# .gpu/base so that the same run can time that code next to the working
 # tree's. pytest's wheels go to .gpu/extra for --cuda-tests.
 #
 # The run times, back to back on one machine and for each --shape: the
@@ -26,7 +27,7 @@
 #                    interval for each, alike)
 #   --no-gpt, --no-base, --no-tree
 #                    leave that implementation out
-#   --cuda-tests     then run tests/test_cuda.py (needs .gpu/extra's pytest)
+#   --cuda-tests     then run tests/gpu/test_cuda.py (needs .gpu/extra's pytest)
 #   --label TEXT     appended to every row's label
 set -euo pipefail
 
@@ -35,7 +36,7 @@ cd "$root"
 
 if [ "${1:-}" = "--prepare" ]; then
     ref="${2:-main}"
-    bash ../shared/gpu/prepare.sh
+    bash "${GPU_KIT:-../shared/gpu}/prepare.sh"
     rm -rf .gpu/base && mkdir -p .gpu/base
     git archive "$ref" | tar -x -C .gpu/base
     echo "base: $ref = $(git rev-parse --short "$ref") in .gpu/base"
@@ -174,7 +175,7 @@ for shape in "${shapes[@]}"; do
     [ $tree = 1 ] && run tree "$root" "$shape"
 done
 
-python3 - "$csv" <<'PY'
+[ -f "$csv" ] && python3 - "$csv" <<'PY'
 import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
 by = {}
@@ -195,6 +196,6 @@ if [ $cuda_tests = 1 ]; then
     if ! python3 -m pytest --version >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/extra/*.whl
     fi
-    python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py || echo "test_cuda: FAILED"
-    part "tests/test_cuda.py"
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda.py || echo "test_cuda: FAILED"
+    part "tests/gpu/test_cuda.py"
 fi

@@ -116,7 +116,7 @@ def eval_lm_command(args, data: str, checkpoint: str):
     return cmd
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--raw-dir", required=True, help="folder with wiki.{test,valid}.raw")
     p.add_argument("--checkpoint-dir", required=True, help="folder with dict.txt and model[-model_part-K].pt")
@@ -134,6 +134,11 @@ def main(argv=None) -> int:
     p.add_argument("--orig-token-count", type=int, help="use this instead of counting wiki.<split>.raw")
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--force", action="store_true", help="redo steps whose outputs exist")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     args.gpus = args.gpus or args.model_parallel_size
     if args.workers < 1:

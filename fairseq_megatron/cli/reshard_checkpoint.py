@@ -59,7 +59,7 @@ def export_vocabulary_size(parts: PartFiles, dict_path: Optional[str]) -> Option
     return len(dictionary)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="checkpoint path as given to fairseq --path")
     parser.add_argument("--output", required=True, help="output .pt path; part suffixes are added for size > 1")
@@ -72,6 +72,11 @@ def main(argv=None) -> int:
                         help="skip re-reading each output and comparing per-tensor checksums")
     parser.add_argument("--keep-optimizer", action="store_true",
                         help="reshard the optimizer state too (Adam's moments), to resume training at the new size")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     try:

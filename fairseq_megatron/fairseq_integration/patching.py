@@ -11,7 +11,6 @@ signatures of the originals are pinned there, so a fairseq upgrade that
 changes one fails loudly).
 """
 
-import functools
 import importlib
 import inspect
 import os
@@ -42,7 +41,7 @@ REPLACEMENTS: List[Replacement] = []
 
 def replace(owner: types.ModuleType, name: str, new: Callable, why: str) -> None:
     """Set ``owner.name`` to ``new``, keeping the original as ``new.__wrapped__``
-    (``functools.wraps``) and recording it.
+    and recording it.
 
     Raises:
         RuntimeError: ``owner.name`` was replaced already (wrappers must not
@@ -53,7 +52,7 @@ def replace(owner: types.ModuleType, name: str, new: Callable, why: str) -> None
         raise RuntimeError(f"{qualified} is replaced already")
     original = getattr(owner, name, None)
     if inspect.isroutine(original) and inspect.isroutine(new):
-        new = functools.wraps(original)(new)
+        new.__wrapped__ = original  # for inspect.unwrap; name and docstring stay ours
     setattr(owner, name, new)
     REPLACEMENTS.append(Replacement(owner.__name__, name, original, new, why))
 

@@ -251,10 +251,9 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
 
         Why the whole stack: compiled one layer at a time, every layer costs
         the host a guard check and a compiled-graph call forward and backward,
-        and at 350M parameters on an H100 the GPU then waits for the host
-        (kernels busy 54 ms of an 83 ms step); as one region, fairseq-train
-        there went from 91k to 114k-118k tokens/s (scripts/benchmark.py,
-        README). At model-parallel size > 1 the layers swap random generators
+        and for smaller models the GPU then waits for the host; as one region
+        the host queues the whole stack at once (docs/benchmarks.md). At
+        model-parallel size > 1 the layers swap random generators
         around sharded dropout, which dynamo cannot trace, and activation
         checkpointing replays that swap; those keep per-layer compilation.
         Evaluation and incremental decoding stay eager, as in
@@ -266,14 +265,11 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
         torch.compile's ``reduce-overhead`` mode: after warm-up and recording
         calls for each new batch shape, each training pass replays one CUDA
         graph forward and one backward instead of launching the stack's
-        kernels one at a time (a whole training step ran about 1,400 GPU
-        operations at 354M, profiled). The weight gradients then live in the
+        kernels one at a time. The weight gradients then live in the
         graphs' memory pool until the next replay, which is why
         :meth:`ModelParallelTransformerLanguageModel.build_model` refuses
-        gradient accumulation (``--update-freq`` > 1) with it. On an
-        H100 at 354M fairseq-train reached 136k tokens/s with it and 114k
-        without (two calls on the lent device; README); at 1.31B, where the
-        GPU is busy anyway, 51.8k and 50.6k.
+        gradient accumulation (``--update-freq`` > 1) with it. It pays where
+        the host limits the step (docs/benchmarks.md).
         """
         self._layer_stack_backend = backend
         if self.cuda_graphs and backend == "inductor":

@@ -24,9 +24,8 @@ class RowParallelLinear(parallel_state.SharesProcessGroupsWhenCopied, nn.Module)
     partial products are summed over the group, then the full ``bias``
     (replicated, identical on every rank) is added once. In a group of one
     the bias is passed to ``F.linear`` itself (one ``addmm``, as in
-    ``nn.Linear``, instead of a GEMM and a separate add; 1.31B on an H100:
-    51.8k -> 53.0k tokens/s in one call whose compiled minimal GPT ran 56.6k
-    both times).
+    ``nn.Linear``, instead of a GEMM and a separate add; docs/benchmarks.md
+    has the measurement).
 
     Shapes: input ``(*, in_features / N)`` with ``input_is_parallel=True``
     (the output of a :class:`ColumnParallelLinear`), else ``(*, in_features)``

@@ -8,7 +8,7 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 PY      = $(VENV)/bin/python
 
-.PHONY: install demo test clean
+.PHONY: install demo test test-fast coverage clean
 
 install: $(VENV)/.installed
 
@@ -21,14 +21,23 @@ $(VENV)/.installed: setup.py
 demo: install
 	$(PY) scripts/demo.py
 
-# Two pytest workers: most tests wait on process start-up (each fairseq command
-# imports torch and fairseq afresh), so two overlap well even on 2 cores
-# (1042 s -> 852 s there). A third gains nothing: the two keep both cores busy
-# (91% user+sys in vmstat; 1334 s with two, 1358 s with three, 2026-11-25).
-# A fixed count, not -n auto: each worker's tests start up to 4 processes of
-# their own.
+# Two pytest workers: most tests wait on process start-up (each fairseq
+# command imports torch and fairseq afresh), so two overlap well on 2 cores;
+# a third finds both cores busy. A fixed count, not -n auto: each worker's
+# tests start up to 4 processes of their own. Work stealing, with the
+# longest tests collected first (tests/conftest.py), ends both together.
 test: install
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist worksteal
+
+# The in-process and quick distributed tests: about half a minute.
+test-fast: install
+	$(PY) -m pytest -q -n 2 -m "(unit or distributed) and not slow"
+
+# Line coverage of the package over `make test` (.coveragerc: forked ranks and
+# spawned tools included); pytest-cov is installed on first use.
+coverage: install
+	$(PY) -m pip install --quiet pytest-cov
+	$(PY) -m pytest -q -n 2 --dist worksteal --cov --cov-report=term:skip-covered
 
 clean:
-	rm -rf demo_work .pytest_cache
+	rm -rf demo_work .pytest_cache .coverage .coverage.*

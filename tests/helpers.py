@@ -16,11 +16,11 @@ import torch.multiprocessing as mp
 from fairseq.data import Dictionary
 
 import fairseq_megatron  # noqa: F401  (registers archs, installs the mpu module)
-from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.models.model_parallel_transformer_lm import (
     ModelParallelTransformerLanguageModel,
     transformer_lm_megatron_11b,
 )
+from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
 
 # Small dims that still exercise every split: 8 heads and FFN 128 divide by 1, 2 and 4.
@@ -113,8 +113,8 @@ def run_distributed(worker, world_size: int, tmp_path, *args):
     On a machine without a GPU the processes are forked from a fork server
     that imported this module (torch, fairseq and the plugin) once per
     pytest worker and did nothing else: as fresh as spawned processes,
-    without each paying the 4 s of imports (the suite is CPU-bound on 2
-    cores; 7 files of these tests: 197 s -> 74 s). With a GPU they are
+    without each paying the seconds of those imports (the suite is
+    CPU-bound on 2 cores). With a GPU they are
     spawned, as before: CUDA must not have been touched in a process that
     is forked, and importing fairseq may touch it. Each process takes the
     caller's environment as it is now.

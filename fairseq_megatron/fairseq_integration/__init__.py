@@ -39,7 +39,7 @@ SUPPORTED_FAIRSEQ = ("0.12.2", "0.12.3", "0.12.3.1")
 """The fairseq releases this integration was written for: 0.12.2 and
 fairseq-fixed 0.12.3.1, the same code with Python 3.11 fixes (which reports
 itself as 0.12.3 or 0.12.3.1). The replaced functions' signatures are pinned
-by ``tests/test_fairseq_integration.py``."""
+by ``tests/unit/test_fairseq_integration.py``."""
 
 _INSTALLED = False  # install() runs once per interpreter
 

@@ -1,0 +1,374 @@
+"""Resharding checkpoint files between model-parallel sizes, and export to stock fairseq.
+
+Logit tolerance (fp32): rtol=atol=1e-5, as in test_model_parity.py: the
+weights are bitwise the same at every size; only the order of the fp32 sums
+in row-parallel layers and the gathered vocabulary changes (~1e-6)."""
+
+import os
+import re
+
+import pytest
+import torch
+
+from fairseq_megatron.checkpoint.export import export_to_fairseq
+from fairseq_megatron.checkpoint.layout import CheckpointError
+from fairseq_megatron.checkpoint.part_files import find_part_files, part_path
+from fairseq_megatron.checkpoint.resharding import PartFiles, reshard, resharded_model
+from fairseq_megatron.cli import reshard_checkpoint
+from tests.helpers import make_dictionary
+from tests.support.checkpoint_resharding import WORDS, save_checkpoint
+
+
+def _models(path):
+    return [torch.load(f, weights_only=False)["model"] for f in find_part_files(path)]
+
+
+def _optimizer_state(path):
+    return [torch.load(f, weights_only=False)["last_optimizer_state"] for f in find_part_files(path)]
+
+
+def _assert_same_optimizer_state(a, b):
+    assert set(a) == set(b) and a["param_groups"] == b["param_groups"]
+    assert a.get("loss_scale") == b.get("loss_scale")
+    assert list(a["state"]) == list(b["state"])
+    for index in a["state"]:
+        assert list(a["state"][index]) == list(b["state"][index])
+        for name, value in a["state"][index].items():
+            if torch.is_tensor(value):
+                assert torch.equal(value, b["state"][index][name]), (index, name)
+            else:
+                assert value == b["state"][index][name], (index, name)
+
+
+@pytest.mark.slow  # several seconds: left out of make test-fast
+@pytest.mark.parametrize("style", ["cfg", "args"])
+def test_round_trip_2_1_4_2_is_bitwise_identical(tmp_path, style):
+    src = str(tmp_path / "src" / "model.pt")
+    os.makedirs(os.path.dirname(src))
+    save_checkpoint(src, 2, style)
+    one = str(tmp_path / "one" / "model.pt")
+    four = str(tmp_path / "four" / "model.pt")
+    back = str(tmp_path / "back" / "model.pt")
+    assert reshard(src, one, 1) == [one]
+    assert reshard(one, four, 4) == [part_path(four, r) for r in range(4)]
+    assert reshard(four, back, 2) == [part_path(back, 0), part_path(back, 1)]
+
+    for original, final in zip(_models(src), _models(back)):
+        assert list(original) == list(final)
+        for key in original:
+            assert torch.equal(original[key], final[key]), key
+
+    state = torch.load(one, weights_only=False)
+    cfg = state["args"] if style == "args" else state["cfg"]["model"]
+    assert (cfg.model_parallel_size, cfg.padded_vocab_size) == (1, 64)
+    assert "last_optimizer_state" not in state and "rng_tracker_states" not in state["extra_state"]
+    model = state["model"]
+    assert model["decoder.embed_tokens.weight"].shape == (64, 32)
+    # the tied output projection is saved as the same tensor, not a copy
+    assert model["decoder.output_projection.weight"].data_ptr() == model["decoder.embed_tokens.weight"].data_ptr()
+
+
+@pytest.mark.slow  # several seconds: left out of make test-fast
+@pytest.mark.parametrize("layout", ["per-parameter", "flat"])
+def test_optimizer_state_round_trip_2_1_4_2(tmp_path, layout):
+    """``with_optimizer``: at size 1 the Adam moments are the full moments the
+    parts were cut from, in ``model.parameters()`` order (flat: concatenated
+    in that order, as fairseq's FP16Optimizer keeps them); 2 -> 1 -> 4 -> 2
+    gives back the original parts' optimizer state bitwise."""
+    src = str(tmp_path / "src" / "model.pt")
+    os.makedirs(os.path.dirname(src))
+    _, names, moments = save_checkpoint(src, 2, optimizer=layout)
+    one, four, back = (str(tmp_path / d / "model.pt") for d in ("one", "four", "back"))
+    reshard(src, one, 1, with_optimizer=True)
+    reshard(one, four, 4, with_optimizer=True)
+    reshard(four, back, 2, with_optimizer=True)
+
+    (merged,) = _optimizer_state(one)
+    if layout == "flat":
+        (entry,) = merged["state"].values()
+        assert entry["step"] == 5 and merged["loss_scale"] == 64.0
+        for which, name in enumerate(("exp_avg", "exp_avg_sq")):
+            assert torch.equal(entry[name], torch.cat([moments[n][which].reshape(-1) for n in names])), name
+    else:
+        assert len(merged["state"]) == len(names)
+        for index, n in enumerate(names):
+            assert torch.equal(merged["state"][index]["exp_avg"], moments[n][0]), n
+            assert torch.equal(merged["state"][index]["exp_avg_sq"], moments[n][1]), n
+            assert merged["state"][index]["step"] == 5.0
+    assert len(_optimizer_state(four)) == 4
+    for original, final in zip(_optimizer_state(src), _optimizer_state(back)):
+        _assert_same_optimizer_state(original, final)
+    state = torch.load(part_path(back, 1), weights_only=False)
+    assert "rng_tracker_states" not in state["extra_state"]  # a rank of another size has its own stream
+
+
+def test_optimizer_states_that_cannot_be_resharded(tmp_path):
+    """Each refusal is one CheckpointError naming the file, and writes nothing."""
+    path = str(tmp_path / "src" / "model.pt")
+    out = tmp_path / "out"
+    os.makedirs(os.path.dirname(path))
+
+    def refused(match):
+        with pytest.raises(CheckpointError, match=match):
+            reshard(path, str(out / "model.pt"), 1, with_optimizer=True)
+        assert not out.exists() or not os.listdir(out)
+
+    save_checkpoint(path, 2, optimizer=None)
+    refused(f"{part_path(path, 0)} holds no optimizer state")
+
+    _, names, _ = save_checkpoint(path, 2, optimizer="per-parameter")
+    state = torch.load(part_path(path, 1), weights_only=False)
+    # Adafactor keeps factored second moments: a row and a column vector per matrix.
+    assert names[1] == "decoder.layers.0.self_attn.k_proj.weight"
+    state["last_optimizer_state"]["state"][1]["exp_avg_sq"] = torch.ones(16)
+    torch.save(state, part_path(path, 1))
+    refused(rf"{part_path(path, 1)}: optimizer state 'exp_avg_sq' of decoder.layers.0.self_attn.k_proj.weight "
+            r"has shape \(16,\), not the parameter's \(16, 32\)")
+
+    save_checkpoint(path, 2, optimizer="per-parameter")
+    state = torch.load(part_path(path, 1), weights_only=False)
+    state["last_optimizer_state"]["param_groups"][0]["params"].pop()
+    torch.save(state, part_path(path, 1))
+    refused(f"{part_path(path, 1)}: the optimizer state is for {len(names) - 1} parameters, the model has "
+            f"{len(names)}")
+
+    save_checkpoint(path, 2, optimizer="flat")
+    state = torch.load(part_path(path, 0), weights_only=False)
+    state["last_optimizer_state"]["state"][0]["exp_avg"] = state["last_optimizer_state"]["state"][0]["exp_avg"][1:]
+    torch.save(state, part_path(path, 0))
+    refused(f"{part_path(path, 0)}: flat optimizer state 'exp_avg' has [0-9]+ elements, the parameters [0-9]+")
+
+
+@pytest.mark.slow  # several seconds: left out of make test-fast
+@pytest.mark.parametrize("legacy_format", [False, True])
+def test_ema_weights_reshard_like_the_weights(tmp_path, legacy_format):
+    """fairseq-train ``--store-ema`` keeps the EMA model's state dict (and
+    with ``--ema-fp32`` fp32 copies) in each part's ``extra_state``: 2 -> 1
+    gives the whole EMA model, 1 -> 4 -> 2 the original parts, bitwise. Before,
+    every output part got part 0's EMA tensors."""
+    src = str(tmp_path / "src" / "model.pt")
+    os.makedirs(os.path.dirname(src))
+    full, ema_full = save_checkpoint(src, 2, ema=True, legacy_format=legacy_format)
+    one, four, back = (str(tmp_path / d / "model.pt") for d in ("one", "four", "back"))
+    reshard(src, one, 1)
+    reshard(one, four, 4)
+    reshard(four, back, 2)
+
+    whole = torch.load(one, weights_only=False)
+    for entry in ("ema", "ema_fp32_params"):
+        merged = whole["extra_state"][entry]
+        assert list(merged) == list(ema_full)
+        for key in ema_full:
+            assert torch.equal(merged[key], ema_full[key]), (entry, key)
+    # the EMA weights are not the weights (which the round trip test covers)
+    assert not torch.equal(ema_full["decoder.layers.0.fc1.weight"], full["decoder.layers.0.fc1.weight"])
+    ema = whole["extra_state"]["ema"]  # the tied output projection stays one tensor
+    assert ema["decoder.output_projection.weight"].data_ptr() == ema["decoder.embed_tokens.weight"].data_ptr()
+    assert [torch.load(f, weights_only=False)["extra_state"]["ema"]["decoder.embed_tokens.weight"].shape
+            for f in find_part_files(four)] == [(16, 32)] * 4
+
+    for rank, f in enumerate(find_part_files(four)):  # built in memory (fairseq-train at another size)
+        written = torch.load(f, weights_only=False)["extra_state"]["ema"]
+        built, _ = resharded_model(src, rank, 4, entry="ema")
+        assert list(built) == list(written) and all(torch.equal(built[k], written[k]) for k in written)
+
+    original = [torch.load(f, weights_only=False)["extra_state"] for f in find_part_files(src)]
+    final = [torch.load(f, weights_only=False)["extra_state"] for f in find_part_files(back)]
+    for before, after in zip(original, final):
+        for entry in ("ema", "ema_fp32_params"):
+            assert list(before[entry]) == list(after[entry])
+            for key in before[entry]:
+                assert torch.equal(before[entry][key], after[entry][key]), (entry, key)
+
+
+@pytest.mark.slow  # several seconds: left out of make test-fast
+def test_parts_in_the_legacy_format_reshard_like_zip_files(tmp_path):
+    """Checkpoints saved before PyTorch 1.6 are not zip archives and cannot be
+    memory-mapped; they are read whole and give the same parts, bitwise."""
+    outputs = {}
+    for legacy in (False, True):
+        src = str(tmp_path / f"src{legacy}" / "model.pt")
+        os.makedirs(os.path.dirname(src))
+        save_checkpoint(src, 2, legacy_format=legacy)
+        assert PartFiles(src).mmap is not legacy
+        out = str(tmp_path / f"four{legacy}" / "model.pt")
+        assert len(reshard(src, out, 4)) == 4
+        outputs[legacy] = _models(out)
+    assert len(outputs[True]) == 4
+    for zipped, legacy in zip(outputs[False], outputs[True]):
+        assert list(zipped) == list(legacy)
+        for key in zipped:
+            assert torch.equal(zipped[key], legacy[key]), key
+
+
+@pytest.mark.slow  # several seconds: left out of make test-fast
+def test_parts_built_in_memory_equal_the_files_reshard_writes(tmp_path):
+    src = str(tmp_path / "src" / "model.pt")
+    os.makedirs(os.path.dirname(src))
+    save_checkpoint(src, 2)
+    listing = sorted(os.listdir(os.path.dirname(src)))
+    for size in (1, 4):
+        out = str(tmp_path / f"mp{size}" / "model.pt")
+        reshard(src, out, size)
+        written = _models(out)
+        for rank in range(size):
+            model, padded_vocab_size = resharded_model(src, rank, size)
+            assert padded_vocab_size == 64
+            assert list(model) == list(written[rank])
+            for key in model:
+                assert torch.equal(model[key], written[rank][key]), key
+    assert sorted(os.listdir(os.path.dirname(src))) == listing
+    with pytest.raises(CheckpointError, match="model-parallel size 3 does not divide the attention heads"):
+        resharded_model(src, 0, 3)
+    with pytest.raises(CheckpointError, match="model part 4 does not exist at model-parallel size 4"):
+        resharded_model(src, 4, 4)
+    os.remove(part_path(src, 1))
+    with pytest.raises(CheckpointError, match=f"model part file {part_path(src, 1)} is missing: {src} was saved "
+                                              "at model-parallel size 2"):
+        resharded_model(src, 0, 1)
+
+
+def test_export_cli_keeps_the_rows_of_the_trained_dictionary(tmp_path, capsys):
+    """``--to-fairseq`` keeps the rows of the dictionary the checkpoint
+    records (54 symbols of 64 rows), without ``--dict`` too: stock fairseq
+    builds its embedding from the data's dict.txt and failed to load an
+    export of all 64 rows ("size mismatch") unless told the size. A
+    ``--dict`` other than the trained one is refused."""
+    src = str(tmp_path / "src" / "model.pt")
+    os.makedirs(os.path.dirname(src))
+    save_checkpoint(src, 2)
+    symbols = len(make_dictionary(WORDS))
+    assert torch.load(part_path(src, 0), weights_only=False)["cfg"]["model"].dictionary_size == symbols
+
+    def export(*argv):
+        out = str(tmp_path / f"plain{len(argv)}" / "model.pt")
+        rc = reshard_checkpoint.main(["--input", src, "--output", out, "--to-fairseq", *argv])
+        err = capsys.readouterr().err.strip()
+        if rc:
+            return rc, err
+        return rc, torch.load(out, weights_only=False)["model"]["decoder.embed_tokens.weight"].size(0)
+
+    assert export() == (0, symbols)
+    right, short = tmp_path / "dict.txt", tmp_path / "short.txt"
+    make_dictionary(WORDS).save(str(right))
+    make_dictionary(WORDS - 1).save(str(short))
+    assert export("--dict", str(right)) == (0, symbols)
+    assert export("--dict", str(short)) == (1, f"error: the dictionary has {symbols - 1} symbols but {src} was "
+                                               f"trained with {symbols}: wrong dict.txt for this checkpoint")
+    text = tmp_path / "train.txt"  # the raw text, a common slip for the dictionary beside it
+    text.write_text("the cat sat on the mat\n")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9 3\n".encode("latin-1"))
+    for wrong, fairseq_says in [(text, "Incorrect dictionary format"), (latin1, "Incorrect encoding")]:
+        rc, err = export("--dict", str(wrong))  # fairseq's own message follows ours, on the same line
+        assert rc == 1 and err.startswith(f"error: --dict {wrong} is not a fairseq dict.txt: {fairseq_says}"), err
+        assert len(err.splitlines()) == 1, err
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    path = str(tmp_path / "model.pt")
+    save_checkpoint(path, 2)
+    out = tmp_path / "out"
+
+    def run(*argv):
+        rc = reshard_checkpoint.main(["--input", path, "--output", str(out / "m.pt"), *argv])
+        return rc, capsys.readouterr().err.strip()
+
+    assert run("--model-parallel-size", "3") == (1, "error: model-parallel size 3 does not divide the attention heads (8)")
+    # save_checkpoint's placeholder optimizer state belongs to no parameter
+    assert run("--model-parallel-size", "1", "--keep-optimizer") == (
+        1, f"error: {part_path(path, 0)}: the optimizer state is for 0 parameters, the model has 35")
+    assert run("--to-fairseq", "--keep-optimizer") == (
+        1, "error: --keep-optimizer and --to-fairseq exclude each other: the export is for evaluation and "
+           "holds no training state")
+    assert run("--model-parallel-size", "1", "--dict", path) == (
+        1, "error: --dict is read only with --to-fairseq: resharding keeps every vocabulary row")
+    assert run("--to-fairseq", "--model-parallel-size", "2") == (  # was: exit 0, the size ignored
+        1, "error: --to-fairseq writes one checkpoint for fairseq's transformer_lm: --model-parallel-size 2 "
+           "cannot apply to it")
+    assert not out.exists() or not os.listdir(out), "a failed run left files behind"
+
+    # an output that is a directory is refused before any work, whole or one of the part names
+    rc = reshard_checkpoint.main(["--input", path, "--output", str(tmp_path), "--model-parallel-size", "1"])
+    assert (rc, capsys.readouterr().err.strip()) == (
+        1, f"error: the output {tmp_path} is a directory: name a file in it, such as {tmp_path / 'model.pt'}")
+    os.makedirs(part_path(str(out / "m.pt"), 1))
+    assert run("--model-parallel-size", "2") == (1, f"error: the output {part_path(str(out / 'm.pt'), 1)} is a directory")
+    assert sorted(os.listdir(out)) == ["m-model_part-1.pt"], "a refused run wrote a file"
+    os.rmdir(part_path(str(out / "m.pt"), 1))
+    # a file where the output's directory should be: os.makedirs said only "[Errno 17] File exists"
+    in_the_way = tmp_path / "in_the_way"
+    in_the_way.write_text("keep me\n")
+    for argv in (["--model-parallel-size", "2"], ["--to-fairseq"]):
+        rc = reshard_checkpoint.main(["--input", path, "--output", str(in_the_way / "sub" / "m.pt"), *argv])
+        assert (rc, capsys.readouterr().err.strip()) == (
+            1, f"error: cannot write the output {in_the_way / 'sub' / 'm.pt'}: {in_the_way} is a file, "
+               "not a directory")
+    assert in_the_way.read_text() == "keep me\n"
+
+    with pytest.raises(CheckpointError, match="refusing to overwrite"):
+        reshard(path, path, 2)
+
+    # truncated part
+    data = open(part_path(path, 1), "rb").read()
+    open(part_path(path, 1), "wb").write(data[: len(data) // 2])
+    rc, err = run("--model-parallel-size", "1")
+    assert rc == 1 and err.startswith("error: cannot read ") and "model-model_part-1.pt" in err
+    assert len(err.splitlines()) == 1
+
+    # missing part
+    os.remove(part_path(path, 1))
+    rc, err = run("--model-parallel-size", "1")
+    assert (rc, err) == (1, f"error: model part file {part_path(path, 1)} is missing: {path} was saved at "
+                            "model-parallel size 2")
+    os.remove(part_path(path, 0))
+    rc, err = run("--model-parallel-size", "1")
+    assert rc == 1 and err.startswith("error: no checkpoint")
+
+
+def test_mixed_parts_from_two_checkpoints(tmp_path):
+    a = str(tmp_path / "a" / "model.pt")
+    b = str(tmp_path / "b" / "model.pt")
+    os.makedirs(os.path.dirname(a))
+    os.makedirs(os.path.dirname(b))
+    save_checkpoint(a, 2, seed=0)
+    save_checkpoint(b, 2, seed=1)
+    os.replace(part_path(b, 1), part_path(a, 1))
+    with pytest.raises(CheckpointError, match="differs between model part 0 and part 1"):
+        reshard(a, str(tmp_path / "m.pt"), 1)
+    assert PartFiles(a).padded_vocab_size == 64
+
+
+def test_two_sizes_under_one_name_are_refused(tmp_path):
+    """A name holding a whole file and part files (a size-1 checkpoint
+    written beside size-2 parts): which one loaded depended on the size
+    asked for. Reading refuses to choose; resharding refuses to create such
+    a name, or to leave another size's parts beside its output, and writes
+    nothing. A gap in the part numbers is a damaged checkpoint, not a
+    missing one."""
+    path = str(tmp_path / "model.pt")
+    save_checkpoint(path, 2)
+    other = str(tmp_path / "other" / "model.pt")
+    os.makedirs(os.path.dirname(other))
+    save_checkpoint(other, 4)
+
+    def listing():
+        return sorted((p, os.stat(p).st_mtime_ns) for p in map(str, tmp_path.rglob("*.pt")))
+
+    before = listing()
+    with pytest.raises(CheckpointError, match=re.escape(f"{part_path(path, 0)} exists under the output name {path}")):
+        reshard(path, path, 1)
+    with pytest.raises(CheckpointError, match=re.escape(f"{part_path(other, 2)} exists under the output name {other}")):
+        reshard(path, other, 2)  # parts 2 and 3 of the size-4 checkpoint would stay
+    assert listing() == before
+    reshard(path, other.replace("model.pt", "fresh.pt"), 2)  # a clean name is written
+    export_to_fairseq(path, str(tmp_path / "export.bin"))  # an export is one file, named freely
+
+    os.link(part_path(path, 0), path)
+    with pytest.raises(CheckpointError, match="both exist: checkpoints of two model-parallel sizes under one name"):
+        find_part_files(path)
+    os.remove(path)
+
+    os.rename(part_path(other, 1), str(tmp_path / "aside.pt"))
+    with pytest.raises(CheckpointError, match=re.escape(f"model part file {part_path(other, 1)} is missing")):
+        find_part_files(other)

@@ -1,0 +1,195 @@
+"""Clear errors for impossible configurations and bad checkpoints."""
+
+import os
+import re
+
+import pytest
+import torch
+
+from fairseq_megatron.errors import UsageError
+from fairseq_megatron.models.options import check_dictionary_size
+from tests.helpers import build_model, make_batch, make_dictionary
+from tests.support.errors import fully_sharded_build_error
+
+
+def test_fully_sharded_on_cpu_is_refused_in_one_line():
+    """fairscale's FSDP on CPU failed with an AssertionError traceback
+    ("Torch not compiled with CUDA enabled"); outside FSDP's wrap the same
+    arguments build."""
+    assert fully_sharded_build_error(1, cpu=True) == (
+        "--ddp-backend fully_sharded needs CUDA GPUs (fairscale's FSDP); on CPU use --ddp-backend pytorch_ddp "
+        "(the default), no_c10d or legacy_ddp")
+    model, _ = build_model(1, cpu=True)
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_heads_must_divide_the_embedding_and_the_vocabulary_must_fit():
+    """At size 1: an embedding dim that the heads do not divide was reported
+    as "not divisible by the model-parallel size (3)" (3 being the heads),
+    and a --padded-vocab-size smaller than the dictionary blamed a
+    checkpoint's embedding while training from scratch."""
+    with pytest.raises(UsageError, match="^--decoder-embed-dim 64 is not divisible by --decoder-attention-heads 3$"):
+        build_model(1, decoder_embed_dim=64, decoder_attention_heads=3)
+    symbols = len(make_dictionary())
+    with pytest.raises(UsageError, match=re.escape(
+            f"the dictionary has {symbols} symbols but the vocabulary has 16 rows (--padded-vocab-size, or a "
+            f"checkpoint's record of it): a --padded-vocab-size too small, or the wrong dict.txt")):
+        build_model(1, padded_vocab_size=16)
+
+
+def test_a_failed_fairseq_train_removes_only_the_empty_directories_it_made(tmp_path):
+    """The clean-up after a failed fairseq-train of ours
+    (:mod:`fairseq_megatron.fairseq_integration.train`): of ``runs/a/b``, made
+    by the run, each directory goes while it is empty; one holding a file (a
+    part saved before the failure) stays, and so does everything that
+    existed before (``tmp_path``)."""
+    from fairseq_megatron.fairseq_integration.train import directories_missing, remove_while_empty
+
+    made = directories_missing(str(tmp_path / "runs" / "a" / "b"))
+    assert made == [str(tmp_path / "runs" / "a" / "b"), str(tmp_path / "runs" / "a"), str(tmp_path / "runs")]
+    os.makedirs(made[0])
+    remove_while_empty(made)
+    assert os.listdir(tmp_path) == []
+
+    os.makedirs(made[0])
+    open(os.path.join(made[0], "checkpoint_last-model_part-0.pt"), "w").close()
+    remove_while_empty(made)
+    assert os.listdir(made[0]) == ["checkpoint_last-model_part-0.pt"]
+
+
+def test_model_parallel_size_without_distributed_init():
+    with pytest.raises(UsageError, match=re.escape(
+            "--model-parallel-size 2 needs 2 processes, one per model part, and this run is one process: "
+            "launch it with torchrun --nproc_per_node 2")):
+        build_model(2)
+    # fairseq ran 0 as size 1, and -1 failed on the group size only in a build
+    for size in (0, -1):
+        with pytest.raises(UsageError, match=re.escape(
+                f"--model-parallel-size {size}: the number of model parts is at least 1")):
+            build_model(size)
+
+
+def test_training_precisions_that_fail_on_this_machine_are_refused(monkeypatch):
+    """fairseq's --bf16 means TPU, and --fp16's optimizer needs CUDA: both
+    failed with tracebacks after the model was built (fairseq-train's main
+    calls this check first)."""
+    import importlib.util
+    from argparse import Namespace
+
+    from fairseq_megatron.models.options import check_training_precision
+
+    def common(**flags):
+        fields = dict(bf16=False, memory_efficient_bf16=False, fp16=False, memory_efficient_fp16=False, cpu=False)
+        return Namespace(**{**fields, **flags})
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch_xla" else object())
+    for flags, refused in [
+        (dict(bf16=True), "fairseq's --bf16 means TPU (it needs torch_xla); for bf16 on a GPU or CPU use "
+                          "--bf16-autocast (fp32 weights, bf16 autocast)"),
+        (dict(bf16=True, memory_efficient_bf16=True), "fairseq's --memory-efficient-bf16 means TPU"),
+        (dict(fp16=True, cpu=True), "--fp16 needs a CUDA GPU (fairseq's FP16 optimizer keeps its fp32 master "
+                                    "weights there); on CPU train in fp32 or with --bf16-autocast"),
+    ]:
+        with pytest.raises(UsageError, match="^" + re.escape(refused)):
+            check_training_precision(common(**flags))
+    for fine in (dict(), dict(fp16=True), dict(fp16=True, memory_efficient_fp16=True, cpu=True)):
+        check_training_precision(common(**fine))  # GPU fp16, and CPU memory-efficient fp16, run
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UsageError, match="^--fp16 needs a CUDA GPU"):
+        check_training_precision(common(fp16=True))  # no --cpu, but no CUDA either
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    check_training_precision(common(bf16=True))  # with torch_xla: fairseq's TPU path, left alone
+
+
+def test_bf16_autocast_refuses_fp16_training():
+    """--bf16-autocast needs fp32 weights; with --fp16 it would silently do
+    nothing (the weights are already half precision), so it is refused."""
+    with pytest.raises(UsageError, match="--bf16-autocast trains fp32 weights under bf16 autocast; drop --fp16$"):
+        build_model(1, bf16_autocast=True, fp16=True)
+    with pytest.raises(UsageError, match="drop --amp$"):
+        build_model(1, bf16_autocast=True, amp=True)
+    build_model(1, bf16_autocast=True, fp16=False, amp=False)  # fp32 training: fine
+
+
+def test_cuda_graphs_need_the_compiled_layer_stack():
+    """--cuda-graphs replays the one compiled region of the whole stack; where
+    there is none (no --compile-layers, or checkpointing) switching to
+    training refuses it, while evaluation of such a model still runs. Gradient
+    accumulation, whose sums the replays would overwrite, is refused when
+    the model is built."""
+    tokens, _ = make_batch(make_dictionary())
+    for overrides in ({}, {"compile_layers": True, "checkpoint_activations": True},
+                      {"compile_layers": True, "offload_activations": True}):
+        model, _ = build_model(1, cuda_graphs=True, **overrides)
+        model.eval()
+        with torch.no_grad():
+            model(tokens)
+        with pytest.raises(UsageError,
+                           match="--cuda-graphs replays the compiled layer stack: it needs --compile-layers"):
+            model.train()
+    with pytest.raises(UsageError, match="--cuda-graphs with --update-freq 2: a CUDA graph replay would overwrite"):
+        build_model(1, cuda_graphs=True, compile_layers=True, update_freq=[2])
+    build_model(1, cuda_graphs=True, compile_layers=True, update_freq=[1])  # the supported case: fine
+
+
+def test_a_dictionary_other_than_the_trained_one_is_refused():
+    """A checkpoint records its dictionary's size before padding (build_model
+    sets ``dictionary_size``); a model built from that config takes the same
+    dictionary, or one saved after padding (more symbols, all madeupwords),
+    and refuses a shorter or a longer one. Before the record, a shorter
+    dictionary was padded up to the checkpoint's rows without a word."""
+    model, _ = build_model(1)
+    trained_with = len(make_dictionary())
+    assert model.decoder.args.dictionary_size == trained_with  # a new model records its own
+    with pytest.raises(UsageError, match=re.escape(
+            f"the dictionary has {trained_with} symbols but the checkpoint's model was trained with "
+            f"{trained_with + 1}: wrong dict.txt for this checkpoint")):
+        build_model(1, dictionary_size=trained_with + 1)  # as fairseq-eval-lm builds from a checkpoint
+
+    def dictionary(*extra):
+        d = make_dictionary()
+        for symbol in extra:
+            d.add_symbol(symbol)
+        return d.symbols
+
+    trained = dictionary("one more")  # 65 symbols: padding adds 7
+    check_dictionary_size(trained, len(trained), len(trained), "x.pt")
+    check_dictionary_size(trained, len(trained), None, "x.pt")  # checkpoints from before the record
+    padded = dictionary("one more", *(f"madeupword{i:04d}" for i in range(7)))  # saved after padding
+    check_dictionary_size(padded, len(padded), len(trained), "x.pt")
+    with pytest.raises(UsageError, match=re.escape(
+            f"the dictionary has {len(trained) - 1} symbols but x.pt was trained with {len(trained)}: "
+            f"wrong dict.txt for this checkpoint")):
+        check_dictionary_size(trained[:-1], len(trained) - 1, len(trained), "x.pt")
+    longer = dictionary("one more", "another")
+    with pytest.raises(UsageError, match="wrong dict.txt"):
+        check_dictionary_size(longer, len(longer), len(trained), "x.pt")
+
+
+@pytest.mark.parametrize("overrides,given", [
+    (dict(scale_attn=True, scale_resids=True), "--scale-attn --scale-resids"),
+    (dict(quant_noise_pq=0.1), "--quant-noise-pq 0.1"),
+    (dict(quant_noise_scalar=0.1), "--quant-noise-scalar 0.1"),
+    (dict(base_layers=1), "--base-layers 1"),
+    (dict(decoder_xformers_att_config='{"name": "scaled_dot_product"}'),
+     '--decoder-xformers-att-config {"name": "scaled_dot_product"}'),
+    (dict(decoder_input_dim=48), "--decoder-input-dim 48"),
+    (dict(decoder_output_dim=48), "--decoder-output-dim 48"),
+])
+def test_transformer_lm_options_the_layers_lack_are_refused(overrides, given):
+    """fairseq's parser gives our archs every transformer_lm option. These the
+    model-parallel layers do not implement: NormFormer's scalings and the
+    quantization noises were ignored (a model built without them; the pq
+    noise also added a projection that the forward never used), BASE
+    layers and xformers attention were ignored,
+    and other input/output dims failed in the first forward ("mat1 and
+    mat2 shapes cannot be multiplied"). Options our layers do implement
+    build: layerdrop, relu, post-norm, an embedding layer norm."""
+    with pytest.raises(UsageError) as refused:
+        build_model(1, **overrides)
+    assert str(refused.value) == (f"{given}: not implemented by the model-parallel decoder; drop it (fairseq's own "
+                                  f"transformer_lm has it, without model parallelism)")
+    model, dictionary = build_model(1, decoder_layerdrop=0.5, activation_fn="relu", decoder_normalize_before=False,
+                                    layernorm_embedding=True)
+    assert model(make_batch(dictionary)[0])[0].shape[-1] == len(dictionary)

@@ -1,0 +1,234 @@
+"""The parallelism planner against published parameter counts and measured memory."""
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from fairseq_megatron.cli import plan_parallelism
+from fairseq_megatron.planner import (
+    ModelShape,
+    PlanError,
+    activation_bytes_per_layer,
+    megatron_arch_shape,
+    plan,
+    recommend,
+)
+from tests.helpers import DIMS, build_model
+
+# Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU
+# Clusters Using Megatron-LM"), Table 1: (layers, hidden, heads, billions of
+# parameters); vocabulary 51200, sequence 2048, learned positions, FFN 4h.
+SCALING_TABLE = [
+    (24, 2304, 24, 1.7), (30, 3072, 32, 3.6), (36, 4096, 32, 7.5), (40, 6144, 48, 18.4),
+    (48, 8192, 64, 39.1), (60, 10240, 80, 76.1), (80, 12288, 96, 145.6), (96, 16384, 128, 310.1),
+    (105, 20480, 128, 529.6), (128, 25600, 160, 1008.0),
+]
+
+
+def _saved_bytes_of_one_layer(dtype) -> int:
+    """Bytes autograd keeps for one decoder layer in ``dtype`` (training,
+    hidden dropout on), measured with saved-tensor hooks on CPU, excluding
+    parameters. Attention dropout is off so CPU's scaled_dot_product_attention
+    takes its flash kernel (no s^2 matrix), matching the flash-attention formula."""
+    s, b, h, heads, ffn = 128, 2, 64, 4, 256
+    model, _ = build_model(1, dropout=0.1, attention_dropout=0.0, decoder_embed_dim=h,
+                           decoder_attention_heads=heads, decoder_ffn_embed_dim=ffn)
+    layer = model.decoder.layers[0].to(dtype).train()
+    x = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
+    mask = model.decoder.buffered_future_mask(x)
+    excluded = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {mask.untyped_storage().data_ptr()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, self_attn_mask=mask)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("layers,hidden,heads,billions", SCALING_TABLE)
+def test_parameter_counts_of_the_megatron_scaling_table(layers, hidden, heads, billions):
+    shape = ModelShape(layers, hidden, heads, 4 * hidden, 51200, 2048, learned_positions=True)
+    assert shape.parameters() / 1e9 == pytest.approx(billions, rel=0.03)
+
+
+def test_megatron_11b_has_about_11b_parameters():
+    shape = megatron_arch_shape("transformer_lm_megatron_11b", vocab=51200)
+    assert (shape.layers, shape.hidden, shape.heads, shape.ffn) == (72, 3072, 32, 18432)
+    assert shape.parameters() / 1e9 == pytest.approx(11.0, rel=0.03)
+
+
+def test_parameter_count_equals_a_built_model():
+    model, dictionary = build_model(1)
+    shape = ModelShape(DIMS["decoder_layers"], DIMS["decoder_embed_dim"], DIMS["decoder_attention_heads"],
+                       DIMS["decoder_ffn_embed_dim"], len(dictionary), 16)
+    assert shape.parameters() == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast", "memory-efficient-fp16"])
+def test_weights_gradients_and_adam_state_match_measured_bytes(precision):
+    """Bytes per parameter after one step of fairseq's Adam (the optimizer
+    ``--optimizer adam`` runs without apex or a GPU). fp32 training, and
+    ``--bf16-autocast`` (fp32 weights; autocast changes only activations):
+    4 of weights, 4 of gradients, 8 of Adam state. ``--memory-efficient-fp16``
+    (fairseq's ``MemoryEfficientFP16Optimizer`` hands the fp16 weights to
+    that Adam directly): 2, 2 and 8, since Adam keeps its moments in fp32
+    and no fp32 copy of the weights (the 2 + 2 + 12 of ``--fp16``)."""
+    from fairseq.optim.adam import Adam
+
+    model, dictionary = build_model(1)
+    if precision == "memory-efficient-fp16":
+        model.half()
+    tokens = torch.randint(4, len(dictionary), (2, 16))
+    opt = Adam(model.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-autocast"):
+        logits = model(tokens)[0]
+    logits.float().sum().backward()
+    opt.step()
+    params = list(model.parameters())
+    measured = {
+        "weights_gb": sum(p.numel() * p.element_size() for p in params) / 1e9,
+        "gradients_gb": sum(p.grad.numel() * p.grad.element_size() for p in params) / 1e9,
+        "optimizer_gb": sum(t.numel() * t.element_size() for s in opt.state.values()
+                            for k, t in s.items() if k != "step") / 1e9,
+    }
+    shape = ModelShape(DIMS["decoder_layers"], DIMS["decoder_embed_dim"], DIMS["decoder_attention_heads"],
+                       DIMS["decoder_ffn_embed_dim"], len(dictionary), 16)
+    (layout,) = [l for l in plan(shape, 1, 1, 80, 2, 2, precision=precision) if l.tp == 1 and l.pp == 1]
+    for key, value in measured.items():
+        assert getattr(layout, key) == pytest.approx(value, rel=1e-9), key
+
+
+def test_activation_estimate_within_15_percent_of_saved_tensors():
+    """The Korthikanti et al. estimate against the bytes one layer keeps, in
+    fp32 and bf16 (15%: the paper's count rounds small terms, such as layer
+    norm statistics, and CPU's dropout masks are not the 1 byte it assumes).
+    The formula depends on the precision only through the bytes per element;
+    so does the layer: bf16 keeps half of fp32's bytes to within 2% (the
+    attention's log-sum-exp stays fp32: 0.7% of the layer's bytes here). The
+    planner counted an fp32 copy of the GELU input in 16-bit training, which
+    fairseq's ``gelu`` keeps but this layer's ``F.gelu`` does not: its bf16
+    estimate was then 0.62 of the fp32 one (the layer: 0.50), 1.11x the bf16 bytes."""
+    shape = ModelShape(1, 64, 4, 256, 64, 128)
+    ratios = {}
+    for dtype, precision in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        measured = _saved_bytes_of_one_layer(dtype)
+        estimate = activation_bytes_per_layer(shape, 2, 1, sequence_parallel=False, checkpointing=False,
+                                              flash_attention=True, precision=precision)
+        assert estimate == pytest.approx(measured, rel=0.15), precision
+        ratios[precision] = estimate / measured
+    assert ratios["bf16"] == pytest.approx(ratios["fp32"], rel=0.02), ratios
+
+
+def test_layouts_and_recommendation():
+    shape = megatron_arch_shape("transformer_lm_megatron_11b")
+    layouts = plan(shape, 16, 8, 80, 2, 512)
+    for l in layouts:
+        assert l.tp * l.pp * l.dp == 16 and l.tp <= 8 and 72 % l.pp == 0
+        assert l.grad_accumulation * 2 * l.dp == 512
+    assert {(l.tp, l.pp) for l in layouts} >= {(8, 1), (1, 1), (2, 4)}
+    # sequence parallelism and checkpointing only ever lower activation memory
+    sp = {(l.tp, l.pp): l.activations_gb for l in plan(shape, 16, 8, 80, 2, 512, sequence_parallel=True)}
+    ckpt = {(l.tp, l.pp): l.activations_gb for l in plan(shape, 16, 8, 80, 2, 512, checkpointing=True)}
+    for l in layouts:
+        assert ckpt[(l.tp, l.pp)] < l.activations_gb
+        assert sp[(l.tp, l.pp)] <= l.activations_gb + 1e-12
+    # where only a pipeline layout fits, the recommendation says that this package trains one stage
+    # and what the best one-stage layout needs
+    tight = plan(shape, 16, 8, 24, 2, 512)
+    best, reason = recommend(tight)
+    least = min((l for l in tight if l.pp == 1), key=lambda l: l.total_gb)
+    assert best.pp > 1 and not least.fits
+    assert reason.endswith(f"fairseq_megatron trains one pipeline stage (PP=1): there the smallest layout needs "
+                           f"{least.total_gb:.1f} GB per GPU (TP={least.tp}); lower it with activation "
+                           f"checkpointing, sequence parallelism, ZeRO sharding (several data-parallel ranks), "
+                           f"Adafactor or a smaller micro batch"), reason
+    assert "pipeline stage" not in recommend(layouts)[1]  # a one-stage layout fits at 80 GB
+    # --offload-activations moves what checkpointing keeps per layer (2*s*b*h bytes of 16-bit
+    # activations, for all 72 layers on the first pipeline stage) from the GPU to host memory
+    kept_gb = 2 * 1024 * 2 * 3072 * 72 / 1e9  # 2*s*b*h, b = 2
+    for offloaded in plan(shape, 16, 8, 80, 2, 512, offloading=True):
+        checkpointed = next(l for l in plan(shape, 16, 8, 80, 2, 512, checkpointing=True)
+                            if (l.tp, l.pp) == (offloaded.tp, offloaded.pp))
+        assert offloaded.host_activations_gb == pytest.approx(kept_gb)
+        assert offloaded.activations_gb == pytest.approx(checkpointed.activations_gb - kept_gb)
+        assert checkpointed.host_activations_gb == 0
+
+
+def test_cli_table_json_and_errors(capsys):
+    assert plan_parallelism.main(["--arch", "transformer_lm_megatron_11b", "--gpus", "8", "--global-batch", "64",
+                                  "--micro-batch", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recommended"]["tp"] * out["recommended"]["pp"] <= 8 and out["parameters"] > 1e10
+    assert plan_parallelism.main(["--layers", "2", "--hidden", "96", "--heads", "3", "--gpus", "4",
+                                  "--gpus-per-node", "4", "--global-batch", "8"]) == 0
+    assert "recommended: TP=1" in capsys.readouterr().out
+    assert plan_parallelism.main(["--layers", "24", "--hidden", "3072", "--heads", "24", "--gpus", "1",
+                                  "--global-batch", "64", "--micro-batch", "64", "--offload-activations"]) == 0
+    header, row = capsys.readouterr().out.splitlines()[1:3]
+    # 24 layers x 2*s*b*h bytes (s 1024, b 64, h 3072) in host memory: 9.66 GB
+    assert header.endswith("host GB") and row.split()[-1] == "9.7", (header, row)
+    # nothing fits: the table still, the smallest need on stderr, exit 1 (scripts can test it)
+    assert plan_parallelism.main(["--arch", "transformer_lm_megatron_11b", "--gpus", "1", "--gpus-per-node", "1",
+                                  "--global-batch", "8", "--micro-batch", "8", "--gpu-memory", "80"]) == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1] == "recommended: none" and out.splitlines()[-2].split()[-1] == "no"
+    assert re.fullmatch(r"error: no layout fits; the smallest needs [0-9.]+ GB per GPU \(TP=1, PP=1\): "
+                        r"lower it with .*, or use more GPUs\n", err), err
+    assert plan_parallelism.main(["--arch", "transformer_lm_megatron_11b", "--gpus", "1", "--gpus-per-node", "1",
+                                  "--global-batch", "8", "--micro-batch", "8", "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["recommended"] is None and err.startswith("error: no layout fits")
+    # impossible requests: one error line, exit 1
+    assert plan_parallelism.main(["--arch", "transformer_lm_megatron_11b", "--gpus", "8", "--global-batch", "63",
+                                  "--micro-batch", "2"]) == 1
+    assert capsys.readouterr().err.strip() == "error: global batch 63 is not a multiple of the micro batch 2"
+    with pytest.raises(PlanError, match="tensor-parallel size 2 must divide heads 7"):
+        plan(ModelShape(2, 70, 7, 280, 100, 32), 4, 4, 80, 1, 4, tp=2)
+    assert plan_parallelism.main(["--layers", "2", "--hidden", "70", "--heads", "7", "--gpus", "4",
+                                  "--gpus-per-node", "4", "--global-batch", "4", "--tp", "4"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "error: tensor-parallel size 4 must divide heads 7, FFN 280 and the 4 GPUs of a node")
+    assert plan_parallelism.main(["--layers", "2", "--hidden", "70", "--heads", "4", "--gpus", "4",
+                                  "--global-batch", "4"]) == 1
+    assert capsys.readouterr().err.strip() == "error: hidden 70 is not divisible by heads 4"
+
+
+def test_cli_png_is_written_whole(capsys, tmp_path):
+    """--png replaces an existing chart by a whole one (written under a
+    temporary name, then renamed) and leaves nothing else; a directory that
+    does not exist is one error line, exit 1."""
+    chart = tmp_path / "layouts.png"
+    chart.write_bytes(b"an older chart")
+    args = ["--arch", "transformer_lm_megatron_11b", "--gpus", "8", "--global-batch", "64"]
+    assert plan_parallelism.main(args + ["--png", str(chart)]) == 0
+    assert chart.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and os.listdir(tmp_path) == ["layouts.png"]
+    capsys.readouterr()
+    missing = tmp_path / "no-such-dir" / "layouts.png"
+    assert plan_parallelism.main(args + ["--png", str(missing)]) == 1
+    assert capsys.readouterr().err.strip() == f"error: --png {missing}: No such file or directory"
+    assert os.listdir(tmp_path) == ["layouts.png"]
+
+
+@pytest.mark.parametrize("flag,value", [("--gpus", "0"), ("--layers", "0"), ("--gpu-memory", "-5"),
+                                        ("--global-batch", "0"), ("--tp", "-1")])
+def test_cli_refuses_sizes_that_are_not_positive(capsys, flag, value):
+    """--layers 0 was a ZeroDivisionError traceback, --gpus 0 "no
+    tensor-parallel size within a node of 8 divides heads 32", a negative
+    --gpu-memory a table where nothing fits. argparse now refuses them
+    (exit status 2, its usage line and one error line)."""
+    args = {"--arch": "transformer_lm_megatron_11b", "--gpus": "8", "--global-batch": "64", flag: value}
+    if flag == "--layers":
+        args.update({"--arch": None, "--hidden": "64", "--heads": "4"})
+    with pytest.raises(SystemExit) as exited:
+        plan_parallelism.main([x for k, v in args.items() if v is not None for x in (k, v)])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"error: argument {flag}: must be positive, got {value}")

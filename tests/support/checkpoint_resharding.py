@@ -1,4 +1,5 @@
-"""What the unit, distributed and end-to-end tests of resharding and export: the model, its checkpoint at any size, and stock fairseq loading an export share."""
+"""What the tests of resharding and export share: a small model, and its
+checkpoint written as fairseq-train writes it at any number of model parts."""
 
 import copy
 from argparse import Namespace

@@ -28,7 +28,7 @@ import hashlib
 import os
 import re
 from collections import OrderedDict
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -323,29 +323,23 @@ def _check_replicas(what: str, tensors: List[torch.Tensor]) -> None:
             )
 
 
-def model_part(parts: PartFiles, rank: int, num_parts: int, check_replicas: bool,
-                progress: Optional[Callable[[str], None]], entry: Optional[str] = None) -> Dict[str, torch.Tensor]:
-    """The model state dict of part ``rank`` of ``num_parts``, layer by layer;
-    with ``entry``, that state dict of ``extra_state`` instead (see
-    :meth:`PartFiles.state_dicts`).
+def model_part_groups(parts: PartFiles, rank: int, num_parts: int, check_replicas: bool,
+                      entry: Optional[str] = None) -> Iterator[Dict[str, torch.Tensor]]:
+    """The model state dict of part ``rank`` of ``num_parts``, one layer group
+    (:func:`layer_groups`) at a time, in the checkpoint's key order; tied
+    keys (``aliases``) are left out. Each group's input mappings are closed
+    before it is yielded, so a consumer that writes and drops each group
+    holds about one layer. With ``entry``, that state dict of ``extra_state``
+    instead (see :meth:`PartFiles.state_dicts`).
 
     Raises:
         CheckpointError: a replicated tensor differs between parts (checked
             with ``check_replicas``); parts hold different ``entry`` keys.
     """
-    if entry is None:
-        keys, aliases = parts.keys, parts.aliases
-    else:
-        first = parts.state_dicts(entry)
-        keys, aliases = list(first[0].keys()), tied_keys(first[0])
-        for f, state_dict in zip(parts.files, first):
-            if list(state_dict.keys()) != keys:
-                raise CheckpointError(f"{f} holds different {entry!r} tensors than {parts.files[0]}")
-        del first
+    keys, aliases = _keys_and_aliases(parts, entry)
     what = "replicated tensor" if entry is None else f"replicated {entry!r} tensor"
-    out: Dict[str, torch.Tensor] = {}
     for group in layer_groups(keys):
-        state_dicts, tensors = parts.state_dicts(entry), []
+        state_dicts, tensors, out = parts.state_dicts(entry), [], OrderedDict()
         for key in group:
             if key in aliases:
                 continue
@@ -358,8 +352,35 @@ def model_part(parts: PartFiles, rank: int, num_parts: int, check_replicas: bool
             else:
                 out[key] = slice_for_part(tensors, dim, rank, num_parts)
         del state_dicts, tensors  # the layer's mappings close here
+        yield out
+
+
+def _keys_and_aliases(parts: PartFiles, entry: Optional[str]) -> Tuple[List[str], Dict[str, str]]:
+    if entry is None:
+        return parts.keys, parts.aliases
+    first = parts.state_dicts(entry)
+    keys = list(first[0].keys())
+    for f, state_dict in zip(parts.files, first):
+        if list(state_dict.keys()) != keys:
+            raise CheckpointError(f"{f} holds different {entry!r} tensors than {parts.files[0]}")
+    return keys, tied_keys(first[0])
+
+
+def model_part(parts: PartFiles, rank: int, num_parts: int, check_replicas: bool,
+               progress: Optional[Callable[[str], None]], entry: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    """The whole model state dict of part ``rank`` of ``num_parts``, tied
+    keys included (:func:`model_part_groups`, gathered); ``progress`` is
+    called with each group's first key.
+
+    Raises:
+        CheckpointError: as :func:`model_part_groups`.
+    """
+    keys, aliases = _keys_and_aliases(parts, entry)
+    out: Dict[str, torch.Tensor] = {}
+    for group in model_part_groups(parts, rank, num_parts, check_replicas, entry):
+        out.update(group)
         if progress:
-            progress(group[0])
+            progress(next(iter(group), None))
     for key, target in aliases.items():
         out[key] = out[target]
     return OrderedDict((k, out[k]) for k in keys)

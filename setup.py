@@ -19,7 +19,11 @@ setup(
         "tqdm",
         "tiktoken",  # fast GPT-2 BPE in examples/megatron_11b
     ],
-    extras_require={"test": ["pytest", "pytest-xdist", "tokenizers", "matplotlib"]},
+    extras_require={
+        # fairseq-megatron-reshard --to-hf: transformers' XGLMForCausalLM, safetensors weights, a fast tokenizer
+        "hf": ["transformers>=4.40", "safetensors"],
+        "test": ["pytest", "pytest-xdist", "tokenizers", "matplotlib", "transformers>=4.40", "safetensors"],
+    },
     entry_points={
         "console_scripts": [
             "fairseq-megatron-reshard = fairseq_megatron.cli.reshard_checkpoint:main",

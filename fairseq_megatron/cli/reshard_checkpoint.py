@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""Change the model-parallel size of a checkpoint, or export it to plain fairseq.
+"""Change the model-parallel size of a checkpoint, or export it to plain fairseq or to transformers.
 
     fairseq-megatron-reshard --input megatron_11b/model.pt --output mp1/model.pt --model-parallel-size 1
     fairseq-megatron-reshard --input ckpt/checkpoint_best.pt --output plain/model.pt \\
         --to-fairseq --dict data-bin/dict.txt
+    fairseq-megatron-reshard --input ckpt/checkpoint_best.pt --output hf_model --to-hf \\
+        --dict data-bin/dict.txt --encoder-json encoder.json --vocab-bpe vocab.bpe
 
 ``--input`` is what you would pass to fairseq as ``--path``: the part files
 ``<name>-model_part-K.pt`` are found next to it. For size 1 the output is one
@@ -22,6 +24,12 @@ from typing import Optional
 from tqdm import tqdm
 
 from fairseq_megatron.checkpoint.export import export_to_fairseq
+from fairseq_megatron.checkpoint.hf_export import (
+    DTYPES,
+    check_output_directory,
+    export_to_transformers,
+    require_transformers,
+)
 from fairseq_megatron.checkpoint.resharding import (
     PartFiles,
     config_value,
@@ -33,11 +41,9 @@ from fairseq_megatron.errors import UsageError
 from fairseq_megatron.models.options import check_dictionary_size
 
 
-def export_vocabulary_size(parts: PartFiles, dict_path: Optional[str]) -> Optional[int]:
-    """The vocabulary rows to export for ``--dict dict_path``: its symbols
-    (fairseq's four special ones plus one per line), refused if other than
-    the dictionary the checkpoint records; without ``--dict`` the recorded
-    one (None, all rows, for checkpoints from before the record).
+def read_dictionary(parts: PartFiles, dict_path: Optional[str]):
+    """fairseq's ``Dictionary`` of ``--dict dict_path`` (None without it),
+    refused if other than the dictionary the checkpoint records.
 
     Raises:
         UsageError: ``dict_path`` is not a fairseq dict.txt, or not the
@@ -46,16 +52,31 @@ def export_vocabulary_size(parts: PartFiles, dict_path: Optional[str]) -> Option
     """
     from fairseq.data import Dictionary
 
-    trained_with = config_value(model_config(parts.metadata), "dictionary_size")
     if dict_path is None:
-        return trained_with
+        return None
     try:
         dictionary = Dictionary.load(dict_path)
     except OSError:
         raise
     except Exception as e:  # a line not "<token> <count>" (ValueError) or not UTF-8 (a bare Exception)
         raise UsageError(f"--dict {dict_path} is not a fairseq dict.txt: {e}") from None
+    trained_with = config_value(model_config(parts.metadata), "dictionary_size")
     check_dictionary_size(dictionary.symbols, len(dictionary), trained_with, parts.path)
+    return dictionary
+
+
+def export_vocabulary_size(parts: PartFiles, dict_path: Optional[str]) -> Optional[int]:
+    """The vocabulary rows to export for ``--dict dict_path``: its symbols
+    (fairseq's four special ones plus one per line); without ``--dict`` the
+    size the checkpoint records (None, all rows, for checkpoints from before
+    the record).
+
+    Raises:
+        UsageError / FileNotFoundError: as :func:`read_dictionary`.
+    """
+    dictionary = read_dictionary(parts, dict_path)
+    if dictionary is None:
+        return config_value(model_config(parts.metadata), "dictionary_size")
     return len(dictionary)
 
 
@@ -66,8 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-parallel-size", type=int, help="new model-parallel size")
     parser.add_argument("--to-fairseq", action="store_true",
                         help="write one checkpoint for fairseq's own transformer_lm (no --user-dir needed)")
-    parser.add_argument("--dict", help="with --to-fairseq: the data's dict.txt; the vocabulary is cut to its size "
-                             "(default: the size of the dictionary the checkpoint was trained with)")
+    parser.add_argument("--dict", help="with --to-fairseq or --to-hf: the data's dict.txt; the vocabulary is cut to "
+                             "its size (default: the size of the dictionary the checkpoint was trained with)")
+    parser.add_argument("--to-hf", action="store_true",
+                        help="write --output as a directory for transformers' XGLMForCausalLM (safetensors, "
+                             "config, generation config, model card; needs the [hf] extra)")
+    parser.add_argument("--encoder-json", help="with --to-hf and --dict: GPT-2's encoder.json, to write a tokenizer "
+                                               "onto the dictionary's ids")
+    parser.add_argument("--vocab-bpe", help="with --to-hf and --dict: GPT-2's vocab.bpe (merges)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="with --to-hf: the weights' dtype (default: the "
+                                                                "checkpoint's)")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip re-reading each output and comparing per-tensor checksums")
     parser.add_argument("--keep-optimizer", action="store_true",
@@ -83,11 +112,28 @@ def main(argv=None) -> int:
         if args.keep_optimizer and args.to_fairseq:
             raise UsageError("--keep-optimizer and --to-fairseq exclude each other: the export "
                              "is for evaluation and holds no training state")
-        if args.dict is not None and not args.to_fairseq:
-            raise UsageError("--dict is read only with --to-fairseq: resharding keeps every vocabulary row")
-        if args.to_fairseq and args.model_parallel_size not in (None, 1):
-            raise UsageError(f"--to-fairseq writes one checkpoint for fairseq's transformer_lm: "
+        export = "--to-fairseq" if args.to_fairseq else "--to-hf" if args.to_hf else None
+        if args.to_fairseq and args.to_hf:
+            raise UsageError("--to-fairseq and --to-hf exclude each other: one export per run")
+        if args.keep_optimizer and args.to_hf:
+            raise UsageError("--keep-optimizer and --to-hf exclude each other: the export holds no training state")
+        if args.dict is not None and export is None:
+            raise UsageError("--dict is read only with --to-fairseq or --to-hf: resharding keeps every vocabulary row")
+        hf_only = [f"--{name.replace('_', '-')}" for name in ("encoder_json", "vocab_bpe", "dtype")
+                   if getattr(args, name) is not None]
+        if hf_only and not args.to_hf:
+            raise UsageError(f"{' '.join(hf_only)}: read only with --to-hf")
+        if export and args.model_parallel_size not in (None, 1):
+            raise UsageError(f"{export} writes one model without model parallelism: "
                              f"--model-parallel-size {args.model_parallel_size} cannot apply to it")
+        if args.to_hf:
+            require_transformers()
+            check_output_directory(args.output)
+            parts = PartFiles(args.input)
+            dictionary = read_dictionary(parts, args.dict)
+            print(export_to_transformers(args.input, args.output, dictionary, args.encoder_json, args.vocab_bpe,
+                                         args.dtype, verify=args.verify, parts=parts))
+            return 0
         if args.to_fairseq:
             parts = PartFiles(args.input)
             vocab = export_vocabulary_size(parts, args.dict)

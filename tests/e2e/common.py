@@ -9,7 +9,9 @@ from tests.helpers import fairseq
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
-import make_corpus  # noqa: E402  isort:skip  (scripts/, above)
+sys.path.insert(0, os.path.join(REPO, "examples", "megatron_11b"))
+import bpe_encode  # noqa: E402,F401  isort:skip  (the folders above; for conftest.py)
+import make_corpus  # noqa: E402  isort:skip
 
 MODEL = [
     "--task", "language_modeling", "--arch", "transformer_lm_megatron_11b",
@@ -84,8 +86,6 @@ def binarized_corpus(root, max_bytes: int) -> str:
     return data
 
 
-
-
 def listing(directory):
     """``{name: (size, mtime_ns)}`` of the files in ``directory``."""
     return {e.name: (e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(directory)}
@@ -109,3 +109,31 @@ def per_update(log, key):
 
 def valid_losses(log):
     return [float(v) for v in re.findall(r"valid on 'valid' subset \| loss ([0-9.]+)", log)]
+
+
+# Wikitext's raw format: headings, @-@ / @,@ / @.@ joins, blank lines.
+RAW = [
+    "",
+    " = Valkyria Chronicles III = ",
+    "",
+    " It sold 2 @,@ 000 copies in 2011 – 2012 , they said . ",
+    " The game 's battle system is a role @-@ playing one . ",
+    "",
+    " = = Gameplay = = ",
+    "",
+    " Its score was 7 @.@ 5 out of 10 . ",
+]
+# Detokenized by hand from the recipe's rules: Moses joins punctuation and
+# 's to the previous word, then " @" and "@ " vanish, " =" and "= " become
+# "=", and " – " becomes "–".
+DETOK = [
+    "",
+    "=Valkyria Chronicles III=",
+    "",
+    "It sold 2,000 copies in 2011–2012, they said.",
+    "The game's battle system is a role-playing one.",
+    "",
+    "==Gameplay==",
+    "",
+    "Its score was 7.5 out of 10.",
+]

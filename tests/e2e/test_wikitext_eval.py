@@ -11,8 +11,7 @@ import sys
 
 import pytest
 
-from fairseq_megatron import USER_DIR
-from tests.helpers import fairseq
+from tests.e2e.common import DETOK, RAW
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "examples", "megatron_11b"))
@@ -20,35 +19,8 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 import bpe_encode  # noqa: E402  isort:skip  (from the folders above)
 import detok  # noqa: E402  isort:skip
 import eval_wikitext103  # noqa: E402  isort:skip
-import make_corpus  # noqa: E402  isort:skip
 import renormalize_ppl  # noqa: E402  isort:skip
 
-# Wikitext's raw format: headings, @-@ / @,@ / @.@ joins, blank lines.
-RAW = [
-    "",
-    " = Valkyria Chronicles III = ",
-    "",
-    " It sold 2 @,@ 000 copies in 2011 – 2012 , they said . ",
-    " The game 's battle system is a role @-@ playing one . ",
-    "",
-    " = = Gameplay = = ",
-    "",
-    " Its score was 7 @.@ 5 out of 10 . ",
-]
-# Detokenized by hand from the recipe's rules: Moses joins punctuation and
-# 's to the previous word, then " @" and "@ " vanish, " =" and "= " become
-# "=", and " – " becomes "–".
-DETOK = [
-    "",
-    "=Valkyria Chronicles III=",
-    "",
-    "It sold 2,000 copies in 2011–2012, they said.",
-    "The game's battle system is a role-playing one.",
-    "",
-    "==Gameplay==",
-    "",
-    "Its score was 7.5 out of 10.",
-]
 # Whitespace tokens + 1 end-of-sentence per non-empty line, counted by hand:
 # "= Valkyria Chronicles III =" 5+1; "It sold 2 @,@ 000 copies in 2011 – 2012 , they said ." 14+1;
 # "The game 's battle system is a role @-@ playing one ." 12+1; "= = Gameplay = =" 5+1;
@@ -62,53 +34,6 @@ VARIED = [
     "   leading spaces, tabs\tand (brackets) [x] {y} <z> @-@ = = heading = =",
     "''quoted'' \"double\" `back` ...ellipsis--dash",
 ]
-
-
-@pytest.fixture(scope="module")
-def gpt2_files(tmp_path_factory):
-    """A byte-level BPE vocabulary saved in GPT-2's format, trained on stdlib docstrings + RAW."""
-    from tokenizers import ByteLevelBPETokenizer
-
-    root = tmp_path_factory.mktemp("bpe")
-    stdlib = make_corpus.sysconfig.get_paths()["stdlib"]
-    text = make_corpus.build_corpus(make_corpus.stdlib_files(stdlib), stdlib, max_bytes=200_000)["train"]
-    tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator(text + DETOK + ["naïve café — Zürich 東京 😀"], vocab_size=600, min_frequency=2,
-                            show_progress=False)
-    tok.save_model(str(root))
-    return str(root / "vocab.json"), str(root / "merges.txt"), root
-
-
-@pytest.fixture(scope="module")
-def small_megatron(gpt2_files, tmp_path_factory):
-    """A Megatron-11b-style folder (dict.txt + model-model_part-{0,1}.pt) and Wikitext-style raw data."""
-    encoder_json, vocab_bpe, _ = gpt2_files
-    root = tmp_path_factory.mktemp("megatron")
-    stdlib = make_corpus.sysconfig.get_paths()["stdlib"]
-    corpus = make_corpus.build_corpus(make_corpus.stdlib_files(stdlib), stdlib, max_bytes=150_000)
-    text = root / "train.txt"
-    text.write_text("\n".join(corpus["train"] + DETOK) + "\n", encoding="utf-8")
-    bpe = bpe_encode.GPT2BPE(encoder_json, vocab_bpe)
-    bpe_encode.encode_files(bpe, [str(text)], [str(root / "train.bpe")])
-    # like Megatron-11b's dict.txt: one BPE id per line (here: those seen in training)
-    fairseq("preprocess", ["--only-source", "--trainpref", str(root / "train.bpe"), "--destdir", str(root / "bin")])
-    ckpt = root / "ckpt"
-    fairseq("train", [str(root / "bin"), "--user-dir", USER_DIR, "--cpu", "--task", "language_modeling",
-                      "--arch", "transformer_lm_megatron_11b", "--decoder-layers", "2", "--decoder-embed-dim", "64",
-                      "--decoder-ffn-embed-dim", "256", "--decoder-attention-heads", "4",
-                      "--share-decoder-input-output-embed", "--criterion", "vocab_parallel_cross_entropy",
-                      "--model-parallel-size", "2", "--tokens-per-sample", "64", "--batch-size", "4",
-                      "--optimizer", "adam", "--lr", "0.002", "--max-update", "10", "--save-dir", str(ckpt),
-                      "--no-epoch-checkpoints", "--disable-validation", "--seed", "2"], nproc=2)
-    folder = root / "megatron_small"
-    folder.mkdir()
-    shutil.copy(root / "bin" / "dict.txt", folder / "dict.txt")
-    for r in (0, 1):
-        shutil.copy(ckpt / f"checkpoint_last-model_part-{r}.pt", folder / f"model-model_part-{r}.pt")
-    raw_dir = root / "wikitext-103-raw"
-    raw_dir.mkdir()
-    (raw_dir / "wiki.test.raw").write_text("\n".join(RAW * 3) + "\n", encoding="utf-8")
-    return {"folder": folder, "raw_dir": raw_dir, "root": root}
 
 
 def _args(gpt2_files, small_megatron, work, **changes):

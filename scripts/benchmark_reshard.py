@@ -17,12 +17,17 @@ checkpoint of another size (``resharded_model``: one rank's part built from
 the 8 files, nothing written), next to ``torch.load`` of the merged file that
 the offline tool wrote, each in a fresh child process.
 
+Then ``fairseq-megatron-reshard --to-hf`` of the 8 parts with 1 GB shards
+(when transformers is installed): its peak RSS against the largest shard,
+which with one layer is what the export should hold.
+
 ``--with-optimizer`` adds Adam's two fp32 moments as fairseq's FP16Optimizer
 saves them (one flat tensor per part, the ``--fp16`` layout) and reshards
 with ``--keep-optimizer``; the in-memory loads are skipped then.
 """
 
 import argparse
+import importlib.util
 import os
 import subprocess
 import sys
@@ -164,6 +169,15 @@ def main(argv=None):
 
     if args.with_optimizer:
         return
+    if importlib.util.find_spec("transformers") is None:
+        print("transformers is not installed: no --to-hf row")
+    else:
+        hf = os.path.join(args.work_dir, "hf")
+        seconds, peak = timed_child([*tool, "--input", src, "--output", hf, "--to-hf", "--max-shard-size", "1"])
+        shards = [os.path.join(hf, f) for f in os.listdir(hf) if f.endswith(".safetensors")]
+        largest = max(os.path.getsize(f) for f in shards)
+        print(f"\n{args.parts} -> transformers, {len(shards)} shards: {seconds:.1f} s, peak RSS {peak / 1e9:.2f} GB, "
+              f"largest shard {largest / 1e9:.2f} GB, above the baseline {(peak - baseline) / 1e9:.2f} GB")
     python = [sys.executable, "-c"]
     loads = [
         ("torch.load of the merged file", f"import torch; torch.load({one!r}, weights_only=False)",

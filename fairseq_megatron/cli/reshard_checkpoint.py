@@ -26,6 +26,7 @@ from tqdm import tqdm
 from fairseq_megatron.checkpoint.export import export_to_fairseq
 from fairseq_megatron.checkpoint.hf_export import (
     DTYPES,
+    MAX_SHARD_BYTES,
     check_output_directory,
     export_to_transformers,
     require_transformers,
@@ -97,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab-bpe", help="with --to-hf and --dict: GPT-2's vocab.bpe (merges)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="with --to-hf: the weights' dtype (default: the "
                                                                 "checkpoint's)")
+    parser.add_argument("--max-shard-size", type=float, metavar="GB",
+                        help=f"with --to-hf: the largest safetensors file (default {MAX_SHARD_BYTES / 1e9:g}); the "
+                             f"export holds about one shard and one layer in memory")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip re-reading each output and comparing per-tensor checksums")
     parser.add_argument("--keep-optimizer", action="store_true",
@@ -119,7 +123,7 @@ def main(argv=None) -> int:
             raise UsageError("--keep-optimizer and --to-hf exclude each other: the export holds no training state")
         if args.dict is not None and export is None:
             raise UsageError("--dict is read only with --to-fairseq or --to-hf: resharding keeps every vocabulary row")
-        hf_only = [f"--{name.replace('_', '-')}" for name in ("encoder_json", "vocab_bpe", "dtype")
+        hf_only = [f"--{name.replace('_', '-')}" for name in ("encoder_json", "vocab_bpe", "dtype", "max_shard_size")
                    if getattr(args, name) is not None]
         if hf_only and not args.to_hf:
             raise UsageError(f"{' '.join(hf_only)}: read only with --to-hf")
@@ -131,8 +135,11 @@ def main(argv=None) -> int:
             check_output_directory(args.output)
             parts = PartFiles(args.input)
             dictionary = read_dictionary(parts, args.dict)
+            if args.max_shard_size is not None and not args.max_shard_size > 0:
+                raise UsageError(f"--max-shard-size {args.max_shard_size}: a size in GB above 0")
+            shard_bytes = MAX_SHARD_BYTES if args.max_shard_size is None else int(args.max_shard_size * 1e9)
             print(export_to_transformers(args.input, args.output, dictionary, args.encoder_json, args.vocab_bpe,
-                                         args.dtype, verify=args.verify, parts=parts))
+                                         args.dtype, verify=args.verify, max_shard_bytes=shard_bytes, parts=parts))
             return 0
         if args.to_fairseq:
             parts = PartFiles(args.input)

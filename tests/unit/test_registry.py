@@ -1,6 +1,8 @@
 """fairseq's model-parallel names resolve to this package; the Megatron-11b
 recipe parses with only --user-dir added; the arch dims are fairseq's."""
 
+import os
+
 from fairseq import options
 from fairseq.criterions import CRITERION_REGISTRY
 from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_REGISTRY
@@ -72,3 +74,12 @@ def test_speed_flags_parse():
     for flag in flags:
         name = flag[2:].replace("-", "_")
         assert getattr(on, name) is True and getattr(off, name, False) is False, flag
+
+
+def test_user_dir_module_prints_the_plugin_directory(capsys):
+    """``USER_DIR=$(python -m fairseq_megatron.user_dir)``, as the README installs it."""
+    import runpy
+
+    runpy.run_module("fairseq_megatron.user_dir", run_name="__main__")
+    printed = capsys.readouterr().out.strip()
+    assert printed == USER_DIR and os.path.isfile(os.path.join(printed, "__init__.py"))

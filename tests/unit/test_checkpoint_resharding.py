@@ -282,7 +282,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         1, "error: --keep-optimizer and --to-fairseq exclude each other: the export is for evaluation and "
            "holds no training state")
     assert run("--model-parallel-size", "1", "--dict", path) == (
-        1, "error: --dict is read only with --to-fairseq: resharding keeps every vocabulary row")
+        1, "error: --dict is read only with --to-fairseq or --to-hf: resharding keeps every vocabulary row")
     assert run("--to-fairseq", "--model-parallel-size", "2") == (  # was: exit 0, the size ignored
         1, "error: --to-fairseq writes one checkpoint for fairseq's transformer_lm: --model-parallel-size 2 "
            "cannot apply to it")

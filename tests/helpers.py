@@ -1,7 +1,9 @@
 """Shared test helpers: small models, and N CPU processes with gloo."""
 
+import json
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -155,13 +157,25 @@ def init_model_parallel(model_parallel_size: int, seed: int = 0):
 ENV = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
 
 
-def fairseq(tool, args, nproc=None, check=True, timeout=300, stdin=None, cwd=None):
+def fairseq(tool, args, nproc=None, check=True, timeout=300, stdin=None, cwd=None, preloaded=True):
     """Run ``fairseq_cli.<tool>`` (or the module ``tool`` when its name has a
-    dot) under torchrun with ``nproc`` processes, ``stdin`` as its standard
-    input, in directory ``cwd``; return (rc, output). With ``check`` the run
-    must succeed; without, the ranks run as in :func:`_ranks_to_their_end`."""
+    dot) as ``nproc`` ranks (or one process without ranks), ``stdin`` as its
+    standard input, in directory ``cwd``; return (rc, output), the ranks'
+    outputs in one stream as torchrun gives them. With ``check`` the run must
+    succeed; without, every rank runs until it exits by itself (torchrun
+    stops the others at the first one's error exit, and the tests that check
+    each rank's own error line raced it: on 2 cores one rank can lag another
+    by seconds).
+
+    ``preloaded``: the processes are forked from :mod:`tests.preloaded`
+    (torch and fairseq imported once per pytest worker) with the
+    environment torchrun gives its ranks; otherwise they are fresh
+    interpreters, under torchrun when ``check``."""
+    module = tool if "." in tool else f"fairseq_cli.{tool}"
+    if preloaded and _Preloaded.usable():
+        return _Preloaded.run(module, args, nproc, check, timeout, stdin, cwd)
     cmd = [sys.executable]
-    module = ["-m", tool if "." in tool else f"fairseq_cli.{tool}"] + args
+    module = ["-m", module] + args
     if nproc and not check:
         return _ranks_to_their_end(cmd + module, nproc, timeout, stdin, cwd)
     if nproc:
@@ -181,26 +195,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ranks_to_their_end(cmd, nproc, timeout, stdin, cwd):
-    """``cmd`` as ``nproc`` ranks with torchrun's environment (what fairseq
-    and the plugin read to join them), each run until it exits by itself:
-    (the first non-zero exit status or 0, the ranks' outputs one after the
-    other). For runs expected to fail: torchrun stops the other ranks at the
-    first one's error exit, and the tests that check each rank's own error
-    line raced it (on 2 cores with two pytest workers one rank can lag the
-    other by seconds). Error lines carry torch's ``[rankN]:`` prefix as under
-    torchrun (its excepthook, installed with the process group)."""
+def _rank_environments(nproc):
+    """What torchrun puts in each of ``nproc`` ranks' environment (and fairseq and the plugin read to join them)."""
     env = dict(ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc),
                LOCAL_WORLD_SIZE=str(nproc))
+    return [dict(env, RANK=str(rank), LOCAL_RANK=str(rank)) for rank in range(nproc)]
+
+
+def _ranks_to_their_end(cmd, nproc, timeout, stdin, cwd):
+    """``cmd`` as ``nproc`` fresh ranks, each run until it exits by itself:
+    (the first non-zero exit status or 0, the ranks' outputs one after the
+    other). Error lines carry torch's ``[rankN]:`` prefix as under
+    torchrun (its excepthook, installed with the process group)."""
     # Outputs to files, not pipes: a rank blocked on a full pipe that nobody
     # reads yet would stall the collectives of the others.
     outputs = [tempfile.TemporaryFile("w+") for _ in range(nproc)]
     procs = []
     try:
-        for rank, output in enumerate(outputs):
+        for env, output in zip(_rank_environments(nproc), outputs):
             procs.append(subprocess.Popen(
                 cmd, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL, stdout=output,
-                stderr=subprocess.STDOUT, text=True, cwd=cwd, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
+                stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env))
             if stdin is not None:
                 procs[-1].stdin.write(stdin)
                 procs[-1].stdin.close()
@@ -219,6 +234,102 @@ def _ranks_to_their_end(cmd, nproc, timeout, stdin, cwd):
         output.close()
     rc = next((proc.returncode for proc in procs if proc.returncode != 0), 0)
     return rc, "".join(text)
+
+
+class _Preloaded:
+    """This pytest worker's :mod:`tests.preloaded` server, started at the first use."""
+
+    # environment variables read while torch and fairseq are imported: the server's must be the command's
+    IMPORT_TIME = ("PYTHON", "OMP_", "MKL_", "TORCH", "CUDA")
+    server = None
+
+    @staticmethod
+    def usable():
+        return not torch.cuda.is_available()  # with a GPU, processes that may use it are not forked
+
+    @classmethod
+    def _fork(cls, request):
+        if cls.server is None or cls.server.poll() is not None:
+            cls.server = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "preloaded.py")],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                          text=True, env=ENV)
+        assert all(request["env"].get(k) == ENV.get(k) for k in {*request["env"], *ENV}
+                   if k.startswith(cls.IMPORT_TIME)), "an import-time variable differs from the server's"
+        cls.server.stdin.write(json.dumps(request) + "\n")
+        cls.server.stdin.flush()
+        return int(cls.server.stdout.readline())
+
+    @classmethod
+    def run(cls, module, args, nproc, check, timeout, stdin, cwd):
+        with tempfile.TemporaryDirectory() as tmp:
+            stdin_path = None
+            if stdin is not None:
+                stdin_path = os.path.join(tmp, "stdin")
+                with open(stdin_path, "w") as f:
+                    f.write(stdin)
+            outputs = [os.path.join(tmp, f"output{r}") for r in range(nproc or 1)]
+            if check:  # one stream, as torchrun's
+                outputs = [outputs[0]] * len(outputs)
+            envs = _rank_environments(nproc) if nproc else [ENV]
+            tasks = []
+            for rank, (env, output) in enumerate(zip(envs, outputs)):
+                status = os.path.join(tmp, f"status{rank}")
+                pid = cls._fork({"module": module, "argv": list(args), "env": env, "cwd": cwd or os.getcwd(),
+                                 "stdin": stdin_path, "output": output, "status": status})
+                tasks.append((pid, status))
+            codes = cls._wait(tasks, timeout, stop_at_failure=check)
+            text = []
+            for output in dict.fromkeys(outputs):
+                with open(output) as f:
+                    text.append(f.read())
+        text = "".join(text)
+        rc = next((code for code in codes if code != 0), 0)
+        if check:
+            assert rc == 0, text[-4000:]
+        return rc, text
+
+    @staticmethod
+    def _wait(tasks, timeout, stop_at_failure):
+        """Each task's exit status (-9 where it was killed): at the deadline, or (``stop_at_failure``,
+        as torchrun does) once one has failed, the others are killed with what they started."""
+        deadline = time.monotonic() + timeout
+        codes = [None] * len(tasks)
+        while None in codes:
+            for i, (pid, status) in enumerate(tasks):
+                if codes[i] is None:
+                    codes[i] = _exit_status(pid, status)
+            stop = time.monotonic() > deadline or (stop_at_failure and any(codes))
+            if stop and None in codes:
+                for i, (pid, _) in enumerate(tasks):
+                    if codes[i] is None:
+                        _kill_group(pid)
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(str(tasks), timeout)
+            time.sleep(0.02)
+        return codes
+
+
+def _exit_status(pid, status):
+    """The exit status a process of the server wrote, -9 if it ended without writing one, None while it runs."""
+    for _ in range(2):
+        try:
+            with open(status) as f:  # renamed into place whole
+                return int(f.read())
+        except FileNotFoundError:
+            pass
+        try:
+            os.kill(pid, 0)
+            return None
+        except ProcessLookupError:
+            continue  # ended: its status, written before it exited, is there now or never
+    return -9
+
+
+def _kill_group(pid):
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 # ---------------------------------------------------------------- fairseq's trainer

@@ -284,7 +284,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert run("--model-parallel-size", "1", "--dict", path) == (
         1, "error: --dict is read only with --to-fairseq or --to-hf: resharding keeps every vocabulary row")
     assert run("--to-fairseq", "--model-parallel-size", "2") == (  # was: exit 0, the size ignored
-        1, "error: --to-fairseq writes one checkpoint for fairseq's transformer_lm: --model-parallel-size 2 "
+        1, "error: --to-fairseq writes one model without model parallelism: --model-parallel-size 2 "
            "cannot apply to it")
     assert not out.exists() or not os.listdir(out), "a failed run left files behind"
 

@@ -274,7 +274,8 @@ class _Preloaded:
             tasks = []
             for rank, (env, output) in enumerate(zip(envs, outputs)):
                 status = os.path.join(tmp, f"status{rank}")
-                pid = cls._fork({"module": module, "argv": list(args), "env": env, "cwd": cwd or os.getcwd(),
+                pid = cls._fork({"module": module, "argv": [os.fspath(a) for a in args], "env": env,
+                                 "cwd": os.fspath(cwd or os.getcwd()),
                                  "stdin": stdin_path, "output": output, "status": status})
                 tasks.append((pid, status))
             codes = cls._wait(tasks, timeout, stop_at_failure=check)

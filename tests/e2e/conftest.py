@@ -25,7 +25,8 @@ from tests.helpers import fairseq
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
     data, ckpt = binarized_corpus(root, max_bytes=300_000), str(root / "ckpt")
-    _, log = fairseq("train", train_args(data, ckpt, max_update=4), nproc=2)
+    # fresh interpreters under torchrun, as a user runs it; the tests' own runs fork theirs (tests.helpers.fairseq)
+    _, log = fairseq("train", train_args(data, ckpt, max_update=4), nproc=2, preloaded=False)
     return {"root": root, "data": data, "ckpt": ckpt, "first_log": log}
 
 

@@ -1,14 +1,23 @@
-"""How fairseq's tools start their processes: fairseq's own spawn, SLURM, world sizes the model-parallel size does not divide."""
+"""How fairseq's tools start their processes: fairseq's own spawn, SLURM,
+torchrun, world sizes the model-parallel size does not divide. Every process
+here is a fresh interpreter (not forked from :mod:`tests.preloaded`): the
+start-up is what these tests are about."""
 
+import functools
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import pytest
+
 from fairseq_megatron import USER_DIR
+from tests import helpers
 from tests.e2e.common import eval_args, eval_loss, evaluated_tokens, hypotheses, per_update, train_args
-from tests.helpers import ENV, fairseq, free_port
+from tests.helpers import ENV, free_port
+
+fairseq = functools.partial(helpers.fairseq, preloaded=False)
 
 
 def _under_slurm(tmp_path, args, nodes, tasks_per_node):
@@ -42,6 +51,7 @@ def _under_slurm(tmp_path, args, nodes, tasks_per_node):
     return [(task.returncode, log.read_text()) for task, log in zip(tasks, logs)]
 
 
+@pytest.mark.minutes
 def test_fairseq_spawning_its_processes(trained, tmp_path):
     """Without torchrun fairseq starts the processes itself
     (``torch.multiprocessing.spawn``), as ``fairseq-train

@@ -33,6 +33,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 
 from fairseq_megatron.checkpoint.layout import (
+    BUFFER_NAMES,
     CheckpointError,
     is_per_element,
     optimizer_state_per_parameter,
@@ -315,12 +316,34 @@ def save_verified(state: dict, path: str, verify: bool) -> None:
             os.remove(tmp)
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shape, dtype and elements, NaN equal to NaN (a replicated weight
+    that went NaN in training is NaN in every part)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point():
+        return torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+    return torch.equal(a, b)
+
+
 def _check_replicas(what: str, tensors: List[torch.Tensor]) -> None:
     for i, t in enumerate(tensors[1:], start=1):
-        if not torch.equal(t, tensors[0]):
+        if not _same_values(t, tensors[0]):
             raise CheckpointError(
                 f"{what} differs between model part 0 and part {i}: the parts come from different checkpoints"
             )
+
+
+def _is_buffer(key: str) -> bool:
+    """A state-dict entry that is not a weight (:data:`BUFFER_NAMES`), whose
+    value fairseq's loader does not use: it drops the sinusoidal positions'
+    ``_float_tensor`` (``fairseq/modules/sinusoidal_positional_embedding.py``),
+    a 1-element tensor created uninitialised, so each part of a checkpoint
+    saved by several processes holds its own value (the published
+    Megatron-11b's parts do), and it resets the decoder's ``version``
+    (``TransformerDecoderBase.upgrade_state_dict_named``). Taken from part 0,
+    not compared."""
+    return key.rsplit(".", 1)[-1] in BUFFER_NAMES
 
 
 def model_part_groups(parts: PartFiles, rank: int, num_parts: int, check_replicas: bool,
@@ -333,8 +356,9 @@ def model_part_groups(parts: PartFiles, rank: int, num_parts: int, check_replica
     instead (see :meth:`PartFiles.state_dicts`).
 
     Raises:
-        CheckpointError: a replicated tensor differs between parts (checked
-            with ``check_replicas``); parts hold different ``entry`` keys.
+        CheckpointError: a replicated weight differs between parts (checked
+            with ``check_replicas``; buffers are not, see :func:`_is_buffer`);
+            parts hold different ``entry`` keys.
     """
     keys, aliases = _keys_and_aliases(parts, entry)
     what = "replicated tensor" if entry is None else f"replicated {entry!r} tensor"
@@ -346,7 +370,7 @@ def model_part_groups(parts: PartFiles, rank: int, num_parts: int, check_replica
             tensors = [m[key] for m in state_dicts]
             dim = partition_dim(key)
             if dim is None:
-                if check_replicas:
+                if check_replicas and not _is_buffer(key):
                     _check_replicas(f"{what} {key}", tensors)
                 out[key] = tensors[0].clone()
             else:

@@ -62,7 +62,9 @@ def test_eval_lm_loads_a_checkpoint_saved_at_another_size(trained, tmp_path):
     assert "1 model part(s), loaded at model-parallel size 2: part 0 resharded in memory" in from_one_file
 
     # The same parts as a 2020 checkpoint such as the published Megatron-11b:
-    # argparse ``args`` instead of ``cfg``, torch's pre-1.6 file format.
+    # argparse ``args`` instead of ``cfg``, torch's pre-1.6 file format, and
+    # in each part its own value of the buffer fairseq creates uninitialised
+    # (NaN in one part), which joining the parts must not take for a weight.
     from fairseq import options
 
     args = options.parse_args_and_arch(options.get_training_parser(),
@@ -72,6 +74,7 @@ def test_eval_lm_loads_a_checkpoint_saved_at_another_size(trained, tmp_path):
     for rank in range(2):
         state = torch.load(os.path.join(trained["ckpt"], f"checkpoint_last-model_part-{rank}.pt"), weights_only=False)
         state["args"], state["cfg"] = args, None
+        state["model"]["decoder.embed_positions._float_tensor"] = torch.tensor([(0.0, float("nan"))[rank]])
         torch.save(state, old / f"model-model_part-{rank}.pt", _use_new_zipfile_serialization=False)
     _, from_old_parts = fairseq("eval_lm", eval_args(trained["data"], str(old / "model.pt"), 1))
     assert "2 model part(s), loaded at model-parallel size 1" in from_old_parts

@@ -6,6 +6,7 @@ in row-parallel layers and the gathered vocabulary changes (~1e-6)."""
 
 import os
 import re
+import zipfile
 
 import pytest
 import torch
@@ -337,6 +338,47 @@ def test_mixed_parts_from_two_checkpoints(tmp_path):
     with pytest.raises(CheckpointError, match="differs between model part 0 and part 1"):
         reshard(a, str(tmp_path / "m.pt"), 1)
     assert PartFiles(a).padded_vocab_size == 64
+
+
+def _rewrite_part(path, rank, change):
+    part = part_path(path, rank)
+    state = torch.load(part, weights_only=False)
+    change(state)
+    torch.save(state, part, _use_new_zipfile_serialization=zipfile.is_zipfile(part))  # in the format it was
+
+
+def test_buffers_are_not_compared_between_parts(tmp_path):
+    """The published Megatron-11b's parts, saved by 8 processes, each hold
+    their own ``decoder.embed_positions._float_tensor``: a 1-element buffer
+    fairseq creates uninitialised and drops on load. Such parts (0.0 in
+    part 0, NaN in part 1; a different ``decoder.version`` too) reshard, the
+    buffers taken from part 0; a replicated weight that is NaN in every
+    part is the same weight; one that differs still refuses the set."""
+    path = str(tmp_path / "model.pt")
+    full = save_checkpoint(path, 2, style="args", legacy_format=True)
+
+    def buffers(value, version):
+        def change(state):
+            state["model"]["decoder.embed_positions._float_tensor"] = torch.tensor([value])
+            state["model"]["decoder.version"] = torch.tensor([version])
+        return change
+
+    _rewrite_part(path, 0, buffers(0.0, 3.0))
+    _rewrite_part(path, 1, buffers(float("nan"), 2.0))
+    merged = str(tmp_path / "merged" / "model.pt")
+    reshard(path, merged, 1)
+    out = torch.load(merged, weights_only=False)["model"]
+    assert torch.equal(out.pop("decoder.embed_positions._float_tensor"), torch.tensor([0.0]))
+    assert torch.equal(out.pop("decoder.version"), torch.tensor([3.0]))
+    assert set(out) == set(full) - {"decoder.version"} and all(torch.equal(out[k], full[k]) for k in out)
+
+    norm = "decoder.layers.0.final_layer_norm.weight"  # replicated in every part
+    for rank in (0, 1):
+        _rewrite_part(path, rank, lambda state: state["model"][norm].__setitem__(0, float("nan")))
+    assert torch.isnan(resharded_model(path, 0, 1)[0][norm][0])
+    _rewrite_part(path, 1, lambda state: state["model"][norm].__setitem__(1, 7.0))
+    with pytest.raises(CheckpointError, match=f"replicated tensor {norm} differs between model part 0 and part 1"):
+        resharded_model(path, 0, 1)
 
 
 def test_two_sizes_under_one_name_are_refused(tmp_path):

@@ -11,7 +11,7 @@ import glob
 import os
 import re
 import zipfile
-from typing import Iterable, List, Optional
+from typing import List, Optional
 
 from fairseq_megatron.checkpoint.layout import CheckpointError
 from fairseq_megatron.errors import check_directory_can_be_made
@@ -111,12 +111,56 @@ def can_be_memory_mapped(path: str) -> bool:
     return zipfile.is_zipfile(path)
 
 
-def check_complete(files: Iterable[str]) -> None:
+def update_count(state: dict) -> Optional[int]:
+    """The number of updates fairseq-train had made when it saved checkpoint
+    ``state`` (``optimizer_history[-1]["num_updates"]``, as
+    ``fairseq/checkpoint_utils.py`` writes it); None where not recorded."""
+    history = state.get("optimizer_history") if isinstance(state, dict) else None
+    if not history or not isinstance(history[-1], dict):
+        return None
+    return history[-1].get("num_updates")
+
+
+def _saved_update(path: str) -> Optional[int]:
+    """:func:`update_count` of checkpoint file ``path``, read through a memory
+    map; None for a file in the legacy format or one torch cannot read (the
+    load that follows reports it)."""
+    import torch
+
+    if not can_be_memory_mapped(path):
+        return None
+    try:
+        return update_count(torch.load(path, map_location="cpu", weights_only=False, mmap=True))
+    except Exception:
+        return None
+
+
+def check_one_save(files: List[str], states: Optional[List[dict]] = None) -> None:
+    """Raise CheckpointError where the part files ``files`` of one checkpoint
+    were saved at different updates: a save interrupted between its parts,
+    or parts of two runs put together. Each rank loads only its own part, so
+    nothing else would notice at the size they were saved at (the
+    evaluation is silently of a mix; a resumed run waits forever on a rank
+    that reached --max-update). ``states``: the parts already loaded;
+    otherwise each is read through a memory map, without its tensors (files
+    in torch's legacy format cannot be, and are not compared)."""
+    if len(files) < 2:
+        return
+    updates = [update_count(state) for state in states] if states is not None else [_saved_update(f) for f in files]
+    if len({u for u in updates if u is not None}) > 1:
+        saved = ", ".join(f"{os.path.basename(f)} at update {u}" for f, u in zip(files, updates) if u is not None)
+        raise CheckpointError(f"the model parts of {checkpoint_of_part(files[0]) or files[0]} are not one save: "
+                              f"{saved} (a save interrupted between its parts, or parts of two runs)")
+
+
+def check_complete(files: List[str]) -> None:
     """Raise CheckpointError for a checkpoint file cut short (a copy or save
     that stopped early): a zip archive, torch's format since 1.6, whose
-    directory, written last, is missing; or an empty file. Reads only the
-    start and end of each file, so every rank can check every part before
-    any of them loads one."""
+    directory, written last, is missing; or an empty file; and for parts
+    that are not one save (:func:`check_one_save`). Reads only the start
+    and end of each file and its pickled structure, so every rank can check
+    every part before any of them loads one."""
+    files = list(files)
     for path in files:
         with open(path, "rb") as f:
             head = f.read(4)
@@ -125,4 +169,4 @@ def check_complete(files: Iterable[str]) -> None:
         if head == b"PK\x03\x04" and not zipfile.is_zipfile(path):
             raise CheckpointError(f"{path} is truncated: the zip archive's directory, which torch writes last, "
                                   f"is missing (was the file still being saved or copied?)")
-
+    check_one_save(files)

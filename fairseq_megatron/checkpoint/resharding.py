@@ -44,6 +44,7 @@ from fairseq_megatron.checkpoint.layout import (
 )
 from fairseq_megatron.checkpoint.part_files import (
     can_be_memory_mapped,
+    check_one_save,
     check_output_name,
     find_part_files,
     output_paths,
@@ -181,8 +182,9 @@ class PartFiles:
 
     Raises (on construction):
         FileNotFoundError / CheckpointError: missing, truncated or foreign
-            files; parts with different tensors; a part count that differs
-            from the model-parallel size the checkpoint records.
+            files; parts of different saves or with different tensors; a
+            part count that differs from the model-parallel size the
+            checkpoint records.
     """
 
     def __init__(self, path: str, with_optimizer: bool = False):
@@ -191,10 +193,10 @@ class PartFiles:
         self.mmap = all(can_be_memory_mapped(f) for f in self.files)
         first = _load(self.files[0], self.mmap)
         self.keys = list(first["model"].keys())
-        loaded = [first]
-        for f in self.files[1:]:
-            loaded.append(_load(f, self.mmap))
-            if list(loaded[-1]["model"].keys()) != self.keys:
+        loaded = [first] + [_load(f, self.mmap) for f in self.files[1:]]
+        check_one_save(self.files, loaded)
+        for f, state in zip(self.files[1:], loaded[1:]):
+            if list(state["model"].keys()) != self.keys:
                 raise CheckpointError(f"{f} holds different tensors than {self.files[0]}")
         if with_optimizer:
             for f, state in zip(self.files, loaded):

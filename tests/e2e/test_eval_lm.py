@@ -7,6 +7,7 @@ import shutil
 import torch
 from fairseq.data import Dictionary
 
+from fairseq_megatron import USER_DIR
 from fairseq_megatron.checkpoint.resharding import reshard
 from tests.e2e.common import eval_args, eval_loss, evaluated_tokens, listing, train_args, train_without_dropout
 from tests.helpers import fairseq
@@ -155,6 +156,47 @@ def test_a_truncated_part_file_is_one_error_line_on_every_rank(trained, tmp_path
     assert rc != 0
     assert f"[rank0]: {line}" in out and f"[rank1]: {line}" in out, out[-3000:]
     assert "num_updates" not in out and part.stat().st_size == len(data) // 2
+
+
+def test_parts_of_two_saves_are_one_error_line_on_every_rank(trained, tmp_path):
+    """Part 1 from a later save than part 0 (a save killed between its
+    parts leaves that; here its recorded update count is changed). At the
+    size they were saved at each rank loads only its own part: fairseq-eval-lm
+    scored the mix with exit 0, and fairseq-train resuming waited forever on
+    the rank that reached --max-update first. Now every tool refuses the set
+    on every rank before loading, in one line naming each part's update:
+    eval-lm and fairseq-generate at size 2, eval-lm at size 1 (the parts
+    joined in memory) and fairseq-train resuming at size 2."""
+    for name in ("checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt"):
+        shutil.copy(os.path.join(trained["ckpt"], name), tmp_path)
+    part = tmp_path / "checkpoint_last-model_part-1.pt"
+    state = torch.load(part, weights_only=False)
+    state["optimizer_history"][-1]["num_updates"] = 9
+    torch.save(state, part)
+    path = str(tmp_path / "checkpoint_last.pt")
+    line = (f"error: the model parts of {path} are not one save: checkpoint_last-model_part-0.pt at update 4, "
+            f"checkpoint_last-model_part-1.pt at update 9 (a save interrupted between its parts, or parts of two "
+            f"runs)")
+
+    rc, out = fairseq("eval_lm", eval_args(trained["data"], path, 2), nproc=2, check=False)
+    assert rc != 0 and f"[rank0]: {line}" in out and f"[rank1]: {line}" in out, out[-3000:]
+    assert "Loss (base 2)" not in out
+
+    generate = [trained["data"], "--user-dir", USER_DIR, "--cpu", "--task", "language_modeling", "--path", path,
+                "--gen-subset", "test", "--sample-break-mode", "none", "--tokens-per-sample", "32",
+                "--prefix-size", "2", "--max-len-b", "4", "--batch-size", "8", "--beam", "1",
+                "--model-parallel-size", "2"]
+    rc, out = fairseq("generate", generate, nproc=2, check=False)
+    assert rc != 0 and f"[rank0]: {line}" in out and f"[rank1]: {line}" in out, out[-3000:]
+
+    rc, out = fairseq("eval_lm", eval_args(trained["data"], path, 1), check=False)
+    assert rc == 1 and out.rstrip().splitlines()[-1] == line and "Traceback" not in out, out[-3000:]
+
+    before = listing(tmp_path)
+    rc, out = fairseq("train", train_args(trained["data"], str(tmp_path), max_update=9), nproc=2, check=False,
+                      timeout=120)
+    assert rc != 0 and f"[rank0]: {line}" in out and f"[rank1]: {line}" in out, out[-3000:]
+    assert "num_updates" not in out and listing(tmp_path) == before
 
 
 def test_a_file_that_is_not_a_checkpoint_is_one_error_line(trained, tmp_path):

@@ -13,7 +13,7 @@ import torch
 
 from fairseq_megatron.checkpoint.export import export_to_fairseq
 from fairseq_megatron.checkpoint.layout import CheckpointError
-from fairseq_megatron.checkpoint.part_files import find_part_files, part_path
+from fairseq_megatron.checkpoint.part_files import check_complete, find_part_files, part_path
 from fairseq_megatron.checkpoint.resharding import PartFiles, reshard, resharded_model
 from fairseq_megatron.cli import reshard_checkpoint
 from tests.helpers import make_dictionary
@@ -345,6 +345,31 @@ def _rewrite_part(path, rank, change):
     state = torch.load(part, weights_only=False)
     change(state)
     torch.save(state, part, _use_new_zipfile_serialization=zipfile.is_zipfile(part))  # in the format it was
+
+
+def test_parts_of_two_saves_are_refused_in_one_line(tmp_path, capsys):
+    """Part 1 saved at another update than part 0 (what a save killed
+    between its parts leaves): every reader refuses the set, naming each
+    part's update, before reading a tensor; the same weights with equal
+    update counts reshard."""
+    path = str(tmp_path / "model.pt")
+    save_checkpoint(path, 2)  # optimizer_history: update 5 in each part
+    files = find_part_files(path)
+    check_complete(files)
+    _rewrite_part(path, 1, lambda state: state["optimizer_history"][-1].update(num_updates=8))
+    line = (f"the model parts of {path} are not one save: model-model_part-0.pt at update 5, "
+            f"model-model_part-1.pt at update 8 (a save interrupted between its parts, or parts of two runs)")
+    with pytest.raises(CheckpointError) as raised:
+        check_complete(files)
+    assert str(raised.value) == line
+    with pytest.raises(CheckpointError, match=re.escape(line)):
+        PartFiles(path)
+    out = tmp_path / "out"
+    rc = reshard_checkpoint.main(["--input", path, "--output", str(out / "m.pt"), "--model-parallel-size", "1"])
+    assert (rc, capsys.readouterr().err.strip()) == (1, f"error: {line}")
+    assert not out.exists()
+    _rewrite_part(path, 1, lambda state: state["optimizer_history"][-1].update(num_updates=5))
+    check_complete(files)
 
 
 def test_buffers_are_not_compared_between_parts(tmp_path):

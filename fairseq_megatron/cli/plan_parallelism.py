@@ -15,6 +15,7 @@ smallest layout needs), as for a request that allows no layout at all.
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -30,11 +31,12 @@ from fairseq_megatron.planner import (
 
 
 def positive(kind):
-    """An argparse type: ``kind`` (int or float) of the text, refused unless > 0."""
+    """An argparse type: ``kind`` (int or float) of the text, refused unless a
+    finite number > 0 (``nan`` compares false with everything, and passed)."""
     def convert(text: str):
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if not (0 < value < math.inf):
+            raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
         return value
     convert.__name__ = kind.__name__  # argparse's "invalid int value" for text that is no number
     return convert

@@ -218,12 +218,13 @@ def test_cli_png_is_written_whole(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("flag,value", [("--gpus", "0"), ("--layers", "0"), ("--gpu-memory", "-5"),
-                                        ("--global-batch", "0"), ("--tp", "-1")])
+                                        ("--global-batch", "0"), ("--tp", "-1"), ("--gpu-memory", "nan"),
+                                        ("--gpu-memory", "inf")])
 def test_cli_refuses_sizes_that_are_not_positive(capsys, flag, value):
     """--layers 0 was a ZeroDivisionError traceback, --gpus 0 "no
     tensor-parallel size within a node of 8 divides heads 32", a negative
-    --gpu-memory a table where nothing fits. argparse now refuses them
-    (exit status 2, its usage line and one error line)."""
+    --gpu-memory (or nan) a table where nothing fits. argparse now refuses
+    them (exit status 2, its usage line and one error line)."""
     args = {"--arch": "transformer_lm_megatron_11b", "--gpus": "8", "--global-batch": "64", flag: value}
     if flag == "--layers":
         args.update({"--arch": None, "--hidden": "64", "--heads": "4"})
@@ -231,4 +232,4 @@ def test_cli_refuses_sizes_that_are_not_positive(capsys, flag, value):
         plan_parallelism.main([x for k, v in args.items() if v is not None for x in (k, v)])
     assert exited.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
-        f"error: argument {flag}: must be positive, got {value}")
+        f"error: argument {flag}: must be a positive finite number, got {value}")

@@ -347,6 +347,10 @@ def test_refused_options_stop_fairseq_train_before_it_writes(trained, tmp_path):
     rc, out = fairseq("eval_lm", eval_args(trained["data"], path, 0), nproc=2, check=False)
     said = "error: --model-parallel-size 0: the number of model parts is at least 1"
     assert rc == 1 and out.splitlines().count(said) == 2, out[-3000:]
+    for size in (0, -1):  # in one process
+        rc, out = fairseq("eval_lm", eval_args(trained["data"], path, size), check=False)
+        assert rc == 1 and out.rstrip().splitlines()[-1] == (
+            f"error: --model-parallel-size {size}: the number of model parts is at least 1"), out[-3000:]
 
 
 def test_offload_activations_trains_like_no_checkpointing(trained, tmp_path):

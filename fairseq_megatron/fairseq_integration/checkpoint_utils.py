@@ -62,7 +62,12 @@ from fairseq import checkpoint_utils
 from fairseq.file_io import PathManager
 
 from fairseq_megatron.checkpoint.layout import CheckpointError
-from fairseq_megatron.checkpoint.part_files import check_complete, checkpoint_of_part, find_part_files
+from fairseq_megatron.checkpoint.part_files import (
+    can_be_memory_mapped,
+    check_complete,
+    checkpoint_of_part,
+    find_part_files,
+)
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.fairseq_integration.patching import original, plugin_on_command_line, replace
 from fairseq_megatron.fairseq_integration.trainer import CheckpointInMemory, is_our_model
@@ -216,7 +221,9 @@ def load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, stric
 
     Raises:
         UsageError: a part's name given for the checkpoint; an ensemble in a
-            tool that scores one model; a part cut short or missing.
+            tool that scores one model; a part cut short or missing (also the
+            last parts, which leave what looks like a checkpoint of a smaller
+            size); parts of two saves.
         FileNotFoundError: no checkpoint of that name, whole or in parts
             (an OSError, as fairseq's "Model file not found"); the message
             names the files looked for.
@@ -238,6 +245,10 @@ def load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, stric
             files = []  # a path only fairseq's PathManager reaches (a remote URI)
         if len(files) > 1 or plugin_on_command_line():
             check_complete(files)  # on every rank, before any rank loads a part
+        if files and files[0] != filename and len(files) == size and (size == 1 or can_be_memory_mapped(files[0])):
+            from fairseq_megatron.checkpoint.resharding import check_part_count
+
+            check_part_count(filename, files)  # the last parts lost look like a checkpoint of this size
         other_size = bool(files) and len(files) != size and not (size == 1 and PathManager.exists(filename))
         part_state = resharded_state(filename, files, arg_overrides) if other_size else None
         if part_state is None:

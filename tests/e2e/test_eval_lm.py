@@ -94,11 +94,15 @@ def test_missing_part_file_is_reported(trained):
                       nproc=2, check=False)
     assert rc != 0
     assert "checkpoint_last-model_part-1.pt" in out
+    line = (f"error: model part file {broken / 'checkpoint_last-model_part-1.pt'} is missing: "
+            f"{broken / 'checkpoint_last.pt'} was saved at model-parallel size 2")
+    # at size 1, where the one part left looked like a whole checkpoint: fairseq's traceback
+    # "Model file not found: .../checkpoint_last.pt", which named no part
+    rc, out = fairseq("eval_lm", eval_args(trained["data"], str(broken / "checkpoint_last.pt"), 1), check=False)
+    assert rc == 1 and out.rstrip().splitlines()[-1] == line and "Traceback" not in out, out[-3000:]
     # fairseq-train resuming there: rank 0 loaded its part, rank 1 was told
     # the checkpoint had another size; now both name the missing part
     rc, out = fairseq("train", train_args(trained["data"], str(broken), max_update=9), nproc=2, check=False)
-    line = (f"error: model part file {broken / 'checkpoint_last-model_part-1.pt'} is missing: "
-            f"{broken / 'checkpoint_last.pt'} was saved at model-parallel size 2")
     assert rc != 0 and f"[rank0]: {line}" in out and f"[rank1]: {line}" in out, out[-3000:]
 
 

@@ -15,13 +15,14 @@ of them (as fairseq's encoder does). The byte-pair merges run in tiktoken
 
 import argparse
 import contextlib
+import io
 import json
 import sys
 import time
 from typing import Dict, List, Sequence
 
 import tiktoken
-from output_files import check_output, write_whole
+from output_files import check_output, utf8_text, write_whole
 
 # GPT-2's pre-tokenizer (fairseq gpt2_bpe_utils.Encoder.pat), in tiktoken's syntax.
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -49,9 +50,10 @@ class GPT2BPE:
     procedures identical; ``ids`` maps ranks back to ``encoder.json`` ids.
 
     Raises:
-        ValueError: ``encoder.json`` is not a JSON object, a line of
-            ``vocab.bpe`` is not a merge of two GPT-2 byte symbols, or a
-            merge or byte of ``vocab.bpe`` is missing from ``encoder.json``.
+        ValueError: ``encoder.json`` is not a JSON object of symbol -> id;
+            ``vocab.bpe`` is not UTF-8, lacks its ``#version`` header or
+            holds no merges, a line of it is not a merge of two GPT-2 byte
+            symbols, or a merge or byte of it is missing from ``encoder.json``.
     """
 
     def __init__(self, encoder_json: str, vocab_bpe: str):
@@ -60,10 +62,15 @@ class GPT2BPE:
                 encoder = json.load(f)
             except ValueError as e:
                 raise ValueError(f"--encoder-json {encoder_json} is not JSON: {e}") from None
-        if not isinstance(encoder, dict):
+        if not isinstance(encoder, dict) or not all(type(i) is int for i in encoder.values()):
             raise ValueError(f"--encoder-json {encoder_json} is not a JSON object of symbol -> id")
-        with open(vocab_bpe, encoding="utf-8") as f:
-            lines = f.read().split("\n")  # the first line is a "#version" header
+        with open(vocab_bpe, "rb") as f:
+            lines = utf8_text(f.read(), vocab_bpe).split("\n")
+        if not lines[0].startswith("#version"):
+            raise ValueError(f"--vocab-bpe {vocab_bpe} does not start with the '#version' line of GPT-2's "
+                             f"merges file: {lines[0][:80]!r}")
+        if not any(line.strip() for line in lines[1:]):
+            raise ValueError(f"--vocab-bpe {vocab_bpe} holds no merges")
         byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
 
         def to_bytes(symbol: str) -> bytes:
@@ -112,11 +119,18 @@ def encode_files(bpe: GPT2BPE, inputs: Sequence[str], outputs: Sequence[str], ke
     """Encode ``inputs[i]`` into ``outputs[i]`` ("-" = stdin/stdout); returns counts and timing.
 
     Outputs are written to ``<name>.tmp`` and renamed at the end.
+
+    Raises:
+        OSError: a file cannot be read or written.
+        ValueError: the inputs' line counts differ; an input is not UTF-8
+            (naming the file, line and byte offset).
     """
     texts = []
     for path in inputs:
-        with (contextlib.nullcontext(sys.stdin) if path == "-" else open(path, encoding="utf-8")) as f:
-            texts.append([line.strip() for line in f])
+        with (contextlib.nullcontext(sys.stdin.buffer) if path == "-" else open(path, "rb")) as f:
+            # lines as a text file reads them (universal newlines), not str.splitlines(): that also
+            # splits at \x0c, \u2028 and others, as fairseq's encoder does not
+            texts.append([line.strip() for line in io.StringIO(utf8_text(f.read(), path), newline=None)])
     n = len(texts[0])
     if any(len(t) != n for t in texts):
         raise ValueError("the --inputs have different numbers of lines")
@@ -154,7 +168,7 @@ def main(argv=None) -> int:
         parser.error("--workers must be at least 1")
     for out in args.outputs:
         if out != "-":
-            check_output(parser, "--outputs", out)
+            check_output(parser, "--outputs", out, args.inputs)
     try:
         bpe = GPT2BPE(args.encoder_json, args.vocab_bpe)
         stats = encode_files(bpe, args.inputs, args.outputs, args.keep_empty, args.workers)

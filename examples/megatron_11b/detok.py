@@ -20,7 +20,7 @@ from multiprocessing import Pool
 from typing import Iterable, List
 
 import sacremoses
-from output_files import check_output, write_whole
+from output_files import check_output, utf8_text, write_whole
 from tqdm import tqdm
 
 REPLACEMENTS = ((" @", ""), ("@ ", ""), (" =", "="), ("= ", "="), (" – ", "–"))
@@ -40,8 +40,18 @@ def detokenize_line(line: str) -> str:
 
 
 def read_lines(paths: Iterable[str]) -> List[str]:
-    with fileinput.input(list(paths), openhook=fileinput.hook_compressed, mode="rb") as f:
-        return [line.decode("utf-8").rstrip("\n") for line in f]
+    """The lines of every file of ``paths`` (plain, .gz or .bz2), in order.
+
+    Raises:
+        OSError: a file cannot be read.
+        ValueError: a file is not UTF-8 (naming the file, line and byte offset).
+    """
+    lines = []
+    for path in paths:
+        with fileinput.hook_compressed(path, "rb") as f:
+            text = utf8_text(f.read(), path)
+        lines.extend(text[:-1].split("\n") if text.endswith("\n") else text.split("\n") if text else [])
+    return lines
 
 
 def detokenize_lines(lines: List[str], workers: int = 1, progress: bool = True) -> List[str]:
@@ -61,10 +71,10 @@ def main(argv=None) -> int:
     if args.workers < 1:
         parser.error("--workers must be at least 1")
     if args.output:
-        check_output(parser, "--output", args.output)
+        check_output(parser, "--output", args.output, args.files)
     try:
         lines = detokenize_lines(read_lines(args.files), args.workers, progress=sys.stderr.isatty())
-    except (OSError, UnicodeDecodeError) as e:
+    except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     text = "".join(l + "\n" for l in lines)

@@ -3,12 +3,18 @@ before the work, written whole or not at all."""
 
 import argparse
 import os
+from typing import Sequence
 
 
-def check_output(parser: argparse.ArgumentParser, option: str, path: str) -> None:
+def check_output(parser: argparse.ArgumentParser, option: str, path: str, inputs: Sequence[str] = ()) -> None:
     """Stop with a usage error (exit status 2) unless ``path`` can be written
-    as a file: its directory exists, and it is not a directory itself.
-    Checked before the work, so that a bad name costs nothing."""
+    as a file: its directory exists, it is not a directory itself, and it is
+    none of the ``inputs`` (the output would replace the text it was made
+    from). Checked before the work, so that a bad name costs nothing."""
+    for source in inputs:
+        if source != "-" and os.path.exists(source) and os.path.exists(path) and os.path.samefile(source, path):
+            parser.error(f"{option} {path} is the input {source}: writing it would replace the input; "
+                         f"name another file")
     if os.path.isdir(path):
         parser.error(f"{option} {path} is a directory: name a file in it")
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
@@ -31,3 +37,18 @@ def write_whole(path: str, text: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def utf8_text(data: bytes, path: str) -> str:
+    """``data``, the bytes of file ``path``, decoded as UTF-8.
+
+    Raises:
+        ValueError: not UTF-8; the message names the file, the line and the
+            byte offset in the file.
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}: line {line}, byte {e.start}: not UTF-8 ({e.reason}: "
+                         f"{data[e.start:e.end]!r})") from None

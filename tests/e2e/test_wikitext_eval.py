@@ -156,6 +156,57 @@ def test_detok_and_bpe_clis_refuse_bad_files_and_outputs_in_one_line(gpt2_files,
         assert not out.exists()
 
 
+def test_detok_and_bpe_clis_never_overwrite_their_input_and_name_bad_bytes(gpt2_files, tmp_path, capsys):
+    """The output named as the input replaced the input text, exit 0; a
+    merges file that is empty, only its header or another file (encoder.json)
+    encoded with no merges ("some text here" -> 14 ids instead of 4), exit 0;
+    a byte that is not UTF-8 was "position 0" of some chunk. Each is now one
+    line before any output is written, naming the file (and the line and
+    byte offset of the bad byte)."""
+    encoder_json, vocab_bpe, _ = gpt2_files
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(RAW) + "\n", encoding="utf-8")
+    before = src.read_bytes()
+    for main, argv, flag in [
+        (detok.main, [str(src), "--output", str(src)], "--output"),
+        (bpe_encode.main, ["--encoder-json", encoder_json, "--vocab-bpe", vocab_bpe, "--inputs", str(src),
+                           "--outputs", str(src)], "--outputs"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+            f"error: {flag} {src} is the input {src}: writing it would replace the input; name another file")
+        assert src.read_bytes() == before
+
+    empty, header_only, strings = tmp_path / "empty.bpe", tmp_path / "header.bpe", tmp_path / "strings.json"
+    empty.write_text("")
+    header_only.write_text("#version: 0.2\n")
+    strings.write_text('{"a": "b"}')
+    out = tmp_path / "out.bpe"
+    for encoder, merges, message in [
+        (encoder_json, str(empty), f"error: --vocab-bpe {empty} does not start with the '#version' line of GPT-2's "
+                                   f"merges file: ''"),
+        (encoder_json, encoder_json, f"error: --vocab-bpe {encoder_json} does not start with the '#version' line"),
+        (encoder_json, str(header_only), f"error: --vocab-bpe {header_only} holds no merges"),
+        (str(strings), vocab_bpe, f"error: --encoder-json {strings} is not a JSON object of symbol -> id"),
+    ]:
+        assert bpe_encode.main(["--encoder-json", encoder, "--vocab-bpe", merges, "--inputs", str(src),
+                                "--outputs", str(out)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(message) and len(err.splitlines()) == 1, err
+        assert not out.exists()
+
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"first line\nsecond\nthe third \xff line\n")
+    said = f"error: {bad}: line 3, byte 28: not UTF-8 (invalid start byte: b'\\xff')"
+    assert detok.main([str(bad), "--output", str(out)]) == 1
+    assert capsys.readouterr().err.strip() == said and not out.exists()
+    assert bpe_encode.main(["--encoder-json", encoder_json, "--vocab-bpe", vocab_bpe, "--inputs", str(bad),
+                            "--outputs", str(out)]) == 1
+    assert capsys.readouterr().err.strip() == said and not out.exists()
+
+
 def test_whole_pipeline_end_to_end(gpt2_files, small_megatron, tmp_path, capsys):
     from fairseq.data.encoders.gpt2_bpe_utils import get_encoder
 

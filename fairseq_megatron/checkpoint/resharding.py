@@ -18,15 +18,19 @@ legacy format (before PyTorch 1.6) cannot be mapped and are read whole.
 
 Safety: inputs are never overwritten; every output is written to
 ``<name>.tmp``, verified by re-reading it and comparing a checksum per tensor
-(``verify=True``), then renamed.
+(``verify=True``), then renamed, the parts of one output once all of them are
+written: a failure (a full disk is one line with the bytes to write and the
+bytes free) leaves no output and no temporary file.
 
 The split rules are in :mod:`fairseq_megatron.checkpoint.layout`.
 """
 
 import copy
+import errno
 import hashlib
 import os
 import re
+import shutil
 from collections import OrderedDict
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -299,23 +303,56 @@ def _verify(path: str, expected: Dict[str, str]) -> None:
         del tensors  # unmaps this chunk
 
 
-def save_verified(state: dict, path: str, verify: bool) -> None:
-    """Write ``state`` to ``path.tmp``, optionally verify it, rename it to ``path``.
+def _write_error(path: str, error: BaseException, needed: int) -> CheckpointError:
+    """One line for a failed write of ``needed`` bytes to ``path``: a full
+    disk is named as such (torch's zip writer reports it as "unexpected
+    pos ..."), with the bytes to write and the bytes free there."""
+    free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    full = (isinstance(error, OSError) and error.errno == errno.ENOSPC) or free < needed
+    reason = os.strerror(errno.ENOSPC) if full else f"{type(error).__name__}: {error}"
+    return CheckpointError(f"cannot write {path}: {reason} ({_amount(needed)} to write, {_amount(free)} free "
+                           f"there); nothing was written")
+
+
+def _amount(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def save_verified(state: dict, path: str, verify: bool, rename: bool = True) -> str:
+    """Write ``state`` to ``path.tmp``, optionally verify it, rename it to
+    ``path`` (with ``rename``; else the caller renames it). Returns the
+    path written. Nothing is left under either name when it fails.
 
     Consumes ``state``: it is emptied after writing, so the tensors are freed
     before the file is re-read.
+
+    Raises:
+        CheckpointError: the write failed (a full disk: see
+            :func:`_write_error`), or the verification did.
     """
     tmp = path + ".tmp"
     try:
-        expected = {k: tensor_checksum(v) for k, v in _checked_tensors(state).items()} if verify else None
-        torch.save(state, tmp)
+        tensors = _checked_tensors(state)
+        expected = {k: tensor_checksum(v) for k, v in tensors.items()} if verify else None
+        needed = sum(t.nbytes for t in tensors.values())
+        del tensors
+        try:
+            torch.save(state, tmp)
+        except (OSError, RuntimeError) as e:
+            if os.path.exists(tmp):
+                os.remove(tmp)  # first: the space it took is free again
+            raise _write_error(path, e, needed) from None
         state.clear()
         if verify:
             _verify(tmp, expected)
-        os.replace(tmp, path)
-    finally:
+        if rename:
+            os.replace(tmp, path)
+            return path
+        return tmp
+    except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
+        raise
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -576,9 +613,17 @@ def reshard(input_path: str, output_path: str, new_size: int, verify: bool = Tru
     parts = prepare_outputs(input_path, output_path, outputs, with_optimizer, parts)
     check_divisible(model_config(parts.metadata), parts.padded_vocab_size, new_size)
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
-    for rank, out in enumerate(outputs):
-        state = _part_state(parts, rank, new_size, check_replicas=(rank == 0), with_optimizer=with_optimizer,
-                            progress=progress)
-        save_verified(state, out, verify)
-        del state
+    written = []  # every part under its temporary name, renamed once all are written: all parts or none
+    try:
+        for rank, out in enumerate(outputs):
+            state = _part_state(parts, rank, new_size, check_replicas=(rank == 0), with_optimizer=with_optimizer,
+                                progress=progress)
+            written.append(save_verified(state, out, verify, rename=False))
+            del state
+    except BaseException:
+        for tmp in written:
+            os.remove(tmp)
+        raise
+    for tmp, out in zip(written, outputs):
+        os.replace(tmp, out)
     return outputs

@@ -4,13 +4,16 @@ Logit tolerance (fp32): rtol=atol=1e-5, as in test_model_parity.py: the
 weights are bitwise the same at every size; only the order of the fp32 sums
 in row-parallel layers and the gathered vocabulary changes (~1e-6)."""
 
+import errno
 import os
 import re
+import shutil
 import zipfile
 
 import pytest
 import torch
 
+from fairseq_megatron.checkpoint import resharding
 from fairseq_megatron.checkpoint.export import export_to_fairseq
 from fairseq_megatron.checkpoint.layout import CheckpointError
 from fairseq_megatron.checkpoint.part_files import check_complete, find_part_files, part_path
@@ -404,6 +407,42 @@ def test_buffers_are_not_compared_between_parts(tmp_path):
     _rewrite_part(path, 1, lambda state: state["model"][norm].__setitem__(1, 7.0))
     with pytest.raises(CheckpointError, match=f"replicated tensor {norm} differs between model part 0 and part 1"):
         resharded_model(path, 0, 1)
+
+
+@pytest.mark.parametrize("error", ["ENOSPC", "torch"])
+def test_a_full_disk_leaves_no_output_and_one_line(tmp_path, capsys, monkeypatch, error):
+    """The disk fills while part 1 of 2 is written (an OSError ENOSPC, or
+    torch's zip writer's "unexpected pos", as a real full disk gives it,
+    after part of the file was written). It was a traceback, with part 0
+    left without part 1; now it is one line naming the file, the bytes to
+    write and the bytes free, and no output or temporary file is left (the
+    parts are renamed only once all are written)."""
+    path = str(tmp_path / "model.pt")
+    save_checkpoint(path, 1)
+    inputs = {f: open(f, "rb").read() for f in find_part_files(path)}
+    real_save, calls = torch.save, []
+
+    def save_then_fill_the_disk(obj, f, *args, **kwargs):
+        calls.append(f)
+        if len(calls) < 2:
+            return real_save(obj, f, *args, **kwargs)
+        with open(f, "wb") as out:
+            out.write(b"PK\x03\x04 partial")
+        if error == "ENOSPC":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise RuntimeError("[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing file "
+                           "data/3: file write failed")
+
+    monkeypatch.setattr(torch, "save", save_then_fill_the_disk)
+    monkeypatch.setattr(resharding.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**9, 10**9 - 4096, 4096))
+    out = tmp_path / "out"
+    rc = reshard_checkpoint.main(["--input", path, "--output", str(out / "m.pt"), "--model-parallel-size", "2"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and re.fullmatch(
+        rf"error: cannot write {re.escape(str(out / 'm-model_part-1.pt'))}: No space left on device "
+        r"\(0\.\d\d MB to write, 0\.00 MB free there\); nothing was written", err), err
+    assert len(calls) == 2 and os.listdir(out) == []
+    assert {f: open(f, "rb").read() for f in find_part_files(path)} == inputs
 
 
 def test_two_sizes_under_one_name_are_refused(tmp_path):

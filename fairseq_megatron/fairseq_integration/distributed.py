@@ -27,7 +27,10 @@ processes, and gathering on CPU.
     and answered nothing; the launching process now passes its standard
     input on to rank 0 through a named pipe given as ``--input``.
   * With ``--user-dir`` of this package, a model-parallel size below 1 is
-    one error line (fairseq ran it as size 1).
+    one error line (fairseq ran it as size 1), and each rank that torchrun
+    or fairseq's own spawn started ends when its launcher dies
+    (:func:`_exit_with_the_launcher`): the ranks of a torchrun killed with
+    SIGKILL trained on and wrote checkpoints.
 
   These are the launch fixes that stock fairseq needs too on a machine
   without GPUs (see ``docs/fairseq-changes.md``).
@@ -103,14 +106,35 @@ def _infer_launch_without_gpus(launch) -> None:
     launch.distributed_num_procs = world_size
 
 
-def _distributed_main_with_the_plugin(index: int, main, cfg, kwargs) -> None:
+def _exit_with_the_launcher() -> None:
+    """Have Linux kill this process (SIGKILL) when the process that started
+    it dies (``prctl(PR_SET_PDEATHSIG)``), for a rank started by torchrun
+    or by fairseq's spawn: nothing else ends a rank whose launcher was
+    killed, and such ranks went on training and writing checkpoints. Not on
+    other systems; a launcher already gone ends this process now."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    launcher = os.getppid()
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL) == 0 and os.getppid() != launcher:
+        os._exit(1)  # it died before the signal was asked for
+
+
+def _distributed_main_with_the_plugin(index: int, main, cfg, kwargs, exit_with_the_launcher: bool = False) -> None:
     """What each process that fairseq's launch spawns runs: fairseq's
     ``distributed_main``, after this module's import (the process unpickles
     this function by its module path), which installs the plugin. Our
     bad-input errors end as one line here too (torch's spawn catches them
-    before the excepthook would); the parent then reports the exit status."""
+    before the excepthook would); the parent then reports the exit status.
+    ``exit_with_the_launcher``: in a run of our models, see
+    :func:`_exit_with_the_launcher`."""
     from fairseq_megatron.fairseq_integration.one_line_errors import printed_as_one_line
 
+    if exit_with_the_launcher:
+        _exit_with_the_launcher()
     try:
         distributed_utils.distributed_main(index, main, cfg, kwargs)
     except Exception as e:
@@ -158,8 +182,11 @@ def call_main(cfg, main, **kwargs):
             size below 1; SLURM nodes that do not divide the world size.
     """
     size = cfg.common.model_parallel_size
-    if plugin_on_command_line() and size < 1:
+    ours = plugin_on_command_line()
+    if ours and size < 1:
         raise UsageError(f"--model-parallel-size {size}: the number of model parts is at least 1")
+    if ours and os.environ.get("TORCHELASTIC_RUN_ID"):  # a rank that torchrun started
+        _exit_with_the_launcher()
     launch = cfg.distributed_training
     if torch.cuda.device_count() == 0 and not cfg.common.tpu:
         if launch.distributed_backend == "nccl":
@@ -181,8 +208,8 @@ def call_main(cfg, main, **kwargs):
     with contextlib.ExitStack() as stack:
         if interactive is not None and interactive.input == "-" and fairseq_tool() == "interactive":
             interactive.input = stack.enter_context(_standard_input_through_a_pipe())
-        torch.multiprocessing.spawn(fn=_distributed_main_with_the_plugin, args=(main, cfg, kwargs), nprocs=nprocs,
-                                    join=True)
+        torch.multiprocessing.spawn(fn=_distributed_main_with_the_plugin, args=(main, cfg, kwargs, ours),
+                                    nprocs=nprocs, join=True)
 
 
 def all_gather_list(data, group=None, max_size=16384):

@@ -165,3 +165,59 @@ def test_world_size_not_divisible_by_model_parallel_size(trained, tmp_path):
         "launch it with torchrun --nproc_per_node 2 (or give fairseq --distributed-world-size 2 on a machine "
         "with 2 GPUs)"), out[-3000:]
     assert not save_dir.exists()
+
+
+def _alive(pid):
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def _children(pid):
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's parent-death signal")
+def test_ranks_end_when_their_torchrun_is_killed(trained, tmp_path):
+    """torchrun killed with SIGKILL (an out-of-memory kill, a job
+    scheduler's hard stop) cannot stop its ranks; they trained on and wrote
+    checkpoints. Each rank of a run of our models now asks Linux to kill it
+    when its launcher dies: both are gone within seconds."""
+    args = train_args(trained["data"], str(tmp_path / "run"), max_update=100_000) + ["--no-save"]
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as out:
+        torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                     "--nproc_per_node", "2", "-m", "fairseq_cli.train", *args],
+                                    stdout=out, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+    ranks = []
+    try:
+        deadline = time.monotonic() + 180
+        while "num_updates" not in log.read_text():  # both ranks are training
+            assert torchrun.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        ranks[:] = _children(torchrun.pid)  # each in a session of its own (torchrun starts them so)
+        assert len(ranks) == 2, ranks
+        torchrun.kill()
+        torchrun.wait()
+        deadline = time.monotonic() + 20
+        while any(map(_alive, ranks)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_alive, ranks)), "ranks still running after their torchrun was killed"
+    finally:
+        for group in [torchrun.pid, *ranks]:  # whatever is left
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

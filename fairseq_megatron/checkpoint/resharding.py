@@ -48,6 +48,7 @@ from fairseq_megatron.checkpoint.layout import (
 )
 from fairseq_megatron.checkpoint.part_files import (
     can_be_memory_mapped,
+    check_integrity,
     check_one_save,
     check_output_name,
     find_part_files,
@@ -185,15 +186,17 @@ class PartFiles:
     checkpoints), so memory then holds the input.
 
     Raises (on construction):
-        FileNotFoundError / CheckpointError: missing, truncated or foreign
-            files; parts of different saves or with different tensors; a
-            part count that differs from the model-parallel size the
-            checkpoint records.
+        FileNotFoundError / CheckpointError: missing, truncated, corrupted
+            (:func:`check_integrity`) or foreign files; parts of different
+            saves or with different tensors; a part count that differs from
+            the model-parallel size the checkpoint records.
     """
 
     def __init__(self, path: str, with_optimizer: bool = False):
         self.path = path
         self.files = find_part_files(path)
+        for f in self.files:
+            check_integrity(f)
         self.mmap = all(can_be_memory_mapped(f) for f in self.files)
         first = _load(self.files[0], self.mmap)
         self.keys = list(first["model"].keys())

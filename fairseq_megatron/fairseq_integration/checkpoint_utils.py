@@ -65,6 +65,7 @@ from fairseq_megatron.checkpoint.layout import CheckpointError
 from fairseq_megatron.checkpoint.part_files import (
     can_be_memory_mapped,
     check_complete,
+    check_integrity,
     checkpoint_of_part,
     find_part_files,
 )
@@ -213,6 +214,31 @@ def resharded_state(path: str, files: list, arg_overrides=None, with_ema: bool =
     return state
 
 
+def check_integrity_on_every_rank(path: str) -> None:
+    """:func:`check_integrity` of ``path``, this rank's part: each rank of a
+    model-parallel group reads only its own, and a corrupted part must stop
+    every rank of the group (the others would wait for it in their first
+    collective), so the ranks exchange what they found.
+
+    Raises:
+        CheckpointError: a part of the group failed its check, on every rank
+            of the group (the message of the first such part).
+    """
+    error = None
+    try:
+        check_integrity(path)
+    except CheckpointError as e:
+        error = str(e)
+    if parallel_state.model_parallel_is_initialized() and parallel_state.get_tensor_model_parallel_world_size() > 1:
+        import torch.distributed as dist
+
+        found = [None] * parallel_state.get_tensor_model_parallel_world_size()
+        dist.all_gather_object(found, error, group=parallel_state.get_tensor_model_parallel_group())
+        error = next((e for e in found if e is not None), None)
+    if error is not None:
+        raise CheckpointError(error)
+
+
 def load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, strict=True, suffix="", num_shards=1,
                                  state=None):
     """fairseq's, for our checkpoints at any model-parallel size: each
@@ -223,7 +249,8 @@ def load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, stric
         UsageError: a part's name given for the checkpoint; an ensemble in a
             tool that scores one model; a part cut short or missing (also the
             last parts, which leave what looks like a checkpoint of a smaller
-            size); parts of two saves.
+            size); parts of two saves; a file read that fails its CRC-32
+            check (see :func:`check_integrity`).
         FileNotFoundError: no checkpoint of that name, whole or in parts
             (an OSError, as fairseq's "Model file not found"); the message
             names the files looked for.
@@ -243,14 +270,18 @@ def load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, stric
             if not PathManager.exists(part_name(filename.replace(".pt", suffix + ".pt"), suffix)):
                 raise  # naming the part files looked for; fairseq named one rank's part
             files = []  # a path only fairseq's PathManager reaches (a remote URI)
-        if len(files) > 1 or plugin_on_command_line():
+        ours = len(files) > 1 or plugin_on_command_line()
+        if ours:
             check_complete(files)  # on every rank, before any rank loads a part
         if files and files[0] != filename and len(files) == size and (size == 1 or can_be_memory_mapped(files[0])):
             from fairseq_megatron.checkpoint.resharding import check_part_count
 
             check_part_count(filename, files)  # the last parts lost look like a checkpoint of this size
         other_size = bool(files) and len(files) != size and not (size == 1 and PathManager.exists(filename))
-        part_state = resharded_state(filename, files, arg_overrides) if other_size else None
+        if ours and files and not other_size:
+            check_integrity_on_every_rank(files[parallel_state.get_tensor_model_parallel_rank()
+                                                if len(files) > 1 else 0])
+        part_state = resharded_state(filename, files, arg_overrides) if other_size else None  # checks every part
         if part_state is None:
             models, cfg, task = load([part_name(filename.replace(".pt", suffix + ".pt"), suffix)
                                       if suffix and files else filename], arg_overrides, task, strict,
@@ -335,6 +366,7 @@ def checkpoint_for_rank(trainer, filename: str, reset_optimizer: bool) -> str:
     check_complete(files)
     store_ema = trainer.cfg.ema.store_ema
     if len(files) == size and PathManager.isfile(filename):
+        check_integrity_on_every_rank(filename)
         rows, symbols = saved_vocabulary(filename)
         _check_vocabulary(trainer, rows and rows * size, symbols, path, size)
         if not store_ema:

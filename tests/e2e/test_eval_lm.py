@@ -203,6 +203,42 @@ def test_parts_of_two_saves_are_one_error_line_on_every_rank(trained, tmp_path):
     assert "num_updates" not in out and listing(tmp_path) == before
 
 
+def test_a_corrupted_part_is_one_error_line_on_every_rank(trained, tmp_path):
+    """One byte of a weight in part 1 flipped after the save: fairseq-eval-lm
+    printed another perplexity with exit 0. Each rank checks the CRC-32s of
+    the part it reads, and the ranks of a model-parallel group share what
+    they found: at size 2 both print the line of part 1 (rank 0's part is
+    whole), as does fairseq-train resuming; at size 1, which reads every
+    part, eval-lm prints it."""
+    for name in ("checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt"):
+        shutil.copy(os.path.join(trained["ckpt"], name), tmp_path)
+    part = tmp_path / "checkpoint_last-model_part-1.pt"
+    weight = torch.load(part, weights_only=False)["model"]["decoder.layers.1.fc2.weight"]
+    data = bytearray(part.read_bytes())
+    at = data.find(weight.numpy().tobytes())
+    assert at > 0
+    data[at + 101] ^= 0x01
+    part.write_bytes(bytes(data))
+    path = str(tmp_path / "checkpoint_last.pt")
+    line = re.compile(r"error: " + re.escape(f"{part} is corrupted: its record ")
+                      + r"\S+/data/\d+ does not match the CRC-32 stored when it was saved \(the file changed since\)")
+
+    def said_by(out):
+        return sorted(m.group(1) for m in re.finditer(r"^(\[rank\d\]: )?" + line.pattern + "$", out, re.M))
+
+    rc, out = fairseq("eval_lm", eval_args(trained["data"], path, 2), nproc=2, check=False, timeout=120)
+    assert rc != 0 and said_by(out) == ["[rank0]: ", "[rank1]: "], out[-3000:]
+    assert "Loss (base 2)" not in out
+
+    rc, out = fairseq("eval_lm", eval_args(trained["data"], path, 1), check=False)
+    assert rc == 1 and line.fullmatch(out.rstrip().splitlines()[-1]) and "Traceback" not in out, out[-3000:]
+
+    rc, out = fairseq("train", train_args(trained["data"], str(tmp_path), max_update=9), nproc=2, check=False,
+                      timeout=120)
+    assert rc != 0 and said_by(out) == ["[rank0]: ", "[rank1]: "], out[-3000:]
+    assert "num_updates" not in out
+
+
 def test_a_file_that_is_not_a_checkpoint_is_one_error_line(trained, tmp_path):
     """A checkpoint name holding something else (here a text file) in
     fairseq-eval-lm and in fairseq-train resuming, both at size 1 in one

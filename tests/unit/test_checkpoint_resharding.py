@@ -16,7 +16,7 @@ import torch
 from fairseq_megatron.checkpoint import resharding
 from fairseq_megatron.checkpoint.export import export_to_fairseq
 from fairseq_megatron.checkpoint.layout import CheckpointError
-from fairseq_megatron.checkpoint.part_files import check_complete, find_part_files, part_path
+from fairseq_megatron.checkpoint.part_files import check_complete, check_integrity, find_part_files, part_path
 from fairseq_megatron.checkpoint.resharding import PartFiles, reshard, resharded_model
 from fairseq_megatron.cli import reshard_checkpoint
 from tests.helpers import make_dictionary
@@ -443,6 +443,54 @@ def test_a_full_disk_leaves_no_output_and_one_line(tmp_path, capsys, monkeypatch
         r"\(0\.\d\d MB to write, 0\.00 MB free there\); nothing was written", err), err
     assert len(calls) == 2 and os.listdir(out) == []
     assert {f: open(f, "rb").read() for f in find_part_files(path)} == inputs
+
+
+def test_a_flipped_byte_is_refused_before_use(tmp_path, capsys, monkeypatch, caplog):
+    """One byte of a weight in part 1 changed after the save: the
+    resharding tool copied it into its output, and every tool loaded it.
+    The CRC-32 that torch stores per record now refuses the file in one
+    line before anything is written; FAIRSEQ_MEGATRON_SKIP_INTEGRITY_CHECK=1
+    skips the check. Files that carry no CRCs (torch's legacy format,
+    archives saved with CRCs off) are said to be unchecked, and load."""
+    path = str(tmp_path / "model.pt")
+    save_checkpoint(path, 2)
+    part = part_path(path, 1)
+    assert check_integrity(part)
+    weight = torch.load(part, weights_only=False)["model"]["decoder.layers.0.fc1.weight"]
+    data = bytearray(open(part, "rb").read())
+    at = data.find(weight.numpy().tobytes())
+    assert at > 0
+    data[at + 13] ^= 0x10
+    open(part, "wb").write(bytes(data))
+    line = f"{os.path.realpath(part)} is corrupted: its record model-model_part-1/data/"
+    with pytest.raises(CheckpointError, match=re.escape(line)):
+        check_integrity(part)
+    out = tmp_path / "out"
+    argv = ["--input", path, "--output", str(out / "m.pt"), "--model-parallel-size", "1"]
+    assert reshard_checkpoint.main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {line}") and err.endswith(" does not match the CRC-32 stored when it was saved "
+                                                              "(the file changed since)") and "\n" not in err, err
+    assert not out.exists()
+    with pytest.raises(CheckpointError, match=re.escape(line)):
+        resharded_model(path, 0, 1)  # what the tools load at another size
+    monkeypatch.setenv("FAIRSEQ_MEGATRON_SKIP_INTEGRITY_CHECK", "1")
+    assert reshard_checkpoint.main(argv) == 0
+    monkeypatch.delenv("FAIRSEQ_MEGATRON_SKIP_INTEGRITY_CHECK")
+
+    legacy = str(tmp_path / "legacy" / "model.pt")
+    os.makedirs(os.path.dirname(legacy))
+    save_checkpoint(legacy, 1, legacy_format=True)
+    no_crc = str(tmp_path / "no_crc.pt")
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(torch.load(legacy, weights_only=False), no_crc)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    with caplog.at_level("WARNING"):
+        assert not check_integrity(legacy) and not check_integrity(no_crc)
+    assert "saved by PyTorch before 1.6, a format without checksums" in caplog.text
+    assert "saved without a CRC-32: their integrity cannot be checked" in caplog.text
 
 
 def test_two_sizes_under_one_name_are_refused(tmp_path):

@@ -7,11 +7,13 @@ any size, checks that none is missing or cut short, and names the outputs
 of a resharding.
 """
 
+import errno
 import functools
 import glob
 import logging
 import os
 import re
+import shutil
 import zipfile
 from typing import List, Optional
 
@@ -225,3 +227,27 @@ def _checked(path: str, size: int, mtime_ns: int) -> bool:
     if unchecked:
         logger.warning(f"{path}: {unchecked} record(s) saved without a CRC-32: their integrity cannot be checked")
     return unchecked == 0
+
+
+def is_write_failure(error: BaseException) -> bool:
+    """Whether ``error``, raised while a checkpoint was written, is the file
+    system's: an OSError, or torch's zip writer reporting a short write
+    (a full disk reaches it as "unexpected pos ..." or "file write failed")."""
+    return isinstance(error, OSError) or (isinstance(error, RuntimeError) and any(
+        said in str(error) for said in ("unexpected pos", "file write failed", "PytorchStreamWriter failed")))
+
+
+def write_error(path: str, error: BaseException, needed: Optional[int] = None) -> CheckpointError:
+    """One line for a failed write to ``path`` (``needed``: the bytes it
+    had to hold, where known), for the caller to raise once the partial file
+    is removed: a full disk is named as such, with the bytes free there."""
+    free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    full = (isinstance(error, OSError) and error.errno == errno.ENOSPC) or (needed is not None and free < needed)
+    reason = os.strerror(errno.ENOSPC) if full else f"{type(error).__name__}: {error}"
+    amounts = f"{_amount(needed)} to write, " if needed is not None else ""
+    return CheckpointError(f"cannot write {path}: {reason} ({amounts}{_amount(free)} free there); "
+                           f"nothing was written")
+
+
+def _amount(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"

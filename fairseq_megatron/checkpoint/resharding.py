@@ -26,11 +26,9 @@ The split rules are in :mod:`fairseq_megatron.checkpoint.layout`.
 """
 
 import copy
-import errno
 import hashlib
 import os
 import re
-import shutil
 from collections import OrderedDict
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -53,7 +51,9 @@ from fairseq_megatron.checkpoint.part_files import (
     check_output_name,
     find_part_files,
     output_paths,
+    is_write_failure,
     part_path,
+    write_error,
 )
 
 EMBED_KEYS = ("decoder.embed_tokens.weight", "decoder.output_projection.weight")
@@ -306,21 +306,6 @@ def _verify(path: str, expected: Dict[str, str]) -> None:
         del tensors  # unmaps this chunk
 
 
-def _write_error(path: str, error: BaseException, needed: int) -> CheckpointError:
-    """One line for a failed write of ``needed`` bytes to ``path``: a full
-    disk is named as such (torch's zip writer reports it as "unexpected
-    pos ..."), with the bytes to write and the bytes free there."""
-    free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
-    full = (isinstance(error, OSError) and error.errno == errno.ENOSPC) or free < needed
-    reason = os.strerror(errno.ENOSPC) if full else f"{type(error).__name__}: {error}"
-    return CheckpointError(f"cannot write {path}: {reason} ({_amount(needed)} to write, {_amount(free)} free "
-                           f"there); nothing was written")
-
-
-def _amount(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
-
-
 def save_verified(state: dict, path: str, verify: bool, rename: bool = True) -> str:
     """Write ``state`` to ``path.tmp``, optionally verify it, rename it to
     ``path`` (with ``rename``; else the caller renames it). Returns the
@@ -331,7 +316,8 @@ def save_verified(state: dict, path: str, verify: bool, rename: bool = True) -> 
 
     Raises:
         CheckpointError: the write failed (a full disk: see
-            :func:`_write_error`), or the verification did.
+            :func:`~fairseq_megatron.checkpoint.part_files.write_error`), or
+            the verification did.
     """
     tmp = path + ".tmp"
     try:
@@ -342,9 +328,11 @@ def save_verified(state: dict, path: str, verify: bool, rename: bool = True) -> 
         try:
             torch.save(state, tmp)
         except (OSError, RuntimeError) as e:
+            if not is_write_failure(e):
+                raise
             if os.path.exists(tmp):
                 os.remove(tmp)  # first: the space it took is free again
-            raise _write_error(path, e, needed) from None
+            raise write_error(path, e, needed) from None
         state.clear()
         if verify:
             _verify(tmp, expected)

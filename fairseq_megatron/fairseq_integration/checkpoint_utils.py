@@ -68,6 +68,7 @@ from fairseq_megatron.checkpoint.part_files import (
     check_integrity,
     checkpoint_of_part,
     find_part_files,
+    write_error,
 )
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.fairseq_integration.patching import original, plugin_on_command_line, replace
@@ -457,11 +458,20 @@ def load_checkpoint(cfg, trainer, **passthrough_args):
 def copy_whole(src: str, dst: str) -> None:
     """``dst`` becomes a copy of ``src``: written under a temporary name in
     ``dst``'s directory, then renamed over ``dst`` (a copy cut short never
-    stands under ``dst``'s name)."""
+    stands under ``dst``'s name).
+
+    Raises:
+        CheckpointError: the copy failed (a full disk: one line with the
+            bytes to write and free); nothing is left under either name.
+    """
     partial = f"{dst}.tmp-{os.getpid()}"
     try:
         assert PathManager.copy(src, partial, overwrite=True), f"Failed to copy {src} to {dst}"
         os.replace(partial, dst)
+    except OSError as e:
+        if os.path.lexists(partial):
+            os.remove(partial)
+        raise write_error(dst, e, os.path.getsize(src)) from None
     finally:
         if os.path.lexists(partial):
             os.remove(partial)

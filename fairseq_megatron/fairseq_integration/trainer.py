@@ -46,6 +46,7 @@ import atexit
 import collections.abc
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -55,6 +56,7 @@ import torch
 from fairseq.logging import metrics
 from fairseq.trainer import Trainer
 
+from fairseq_megatron.checkpoint.part_files import is_write_failure, write_error
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.parallel.grad_norm import model_parallel_norm_aggregator
 from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
@@ -298,13 +300,27 @@ class MegatronTrainer(Trainer):
 
     def save_checkpoint(self, filename, extra_state):
         """fairseq's, for this rank's part (``crash.pt`` too), recording the
-        RNG tracker's streams and the number of data-parallel groups."""
+        RNG tracker's streams and the number of data-parallel groups.
+
+        Raises:
+            CheckpointError: the file system refused the write (a full disk):
+                one line with the bytes free; fairseq's temporary file is
+                removed, and the file of the previous save stays whole.
+        """
         suffix = self.checkpoint_suffix  # "-model_part-K" (fairseq's distributed_init sets it)
         if suffix and filename.endswith(".pt") and not filename.endswith(suffix + ".pt"):
             filename = filename[: -len(".pt")] + suffix + ".pt"
         extra_state["rng_tracker_states"] = get_rng_tracker().get_states()
         extra_state["data_parallel_world_size"] = self.data_parallel_world_size
-        return super().save_checkpoint(filename, extra_state)
+        try:
+            return super().save_checkpoint(filename, extra_state)
+        except (OSError, RuntimeError) as e:
+            if not is_write_failure(e):
+                raise
+            partial = filename + ".tmp"  # fairseq writes there, then renames (torch_persistent_save)
+            if os.path.lexists(partial):
+                os.remove(partial)
+            raise write_error(filename, e) from None
 
     def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False, optimizer_overrides=None,
                         reset_meters=False):

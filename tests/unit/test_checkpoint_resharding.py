@@ -13,7 +13,7 @@ import zipfile
 import pytest
 import torch
 
-from fairseq_megatron.checkpoint import resharding
+from fairseq_megatron.checkpoint import part_files
 from fairseq_megatron.checkpoint.export import export_to_fairseq
 from fairseq_megatron.checkpoint.layout import CheckpointError
 from fairseq_megatron.checkpoint.part_files import check_complete, check_integrity, find_part_files, part_path
@@ -434,7 +434,7 @@ def test_a_full_disk_leaves_no_output_and_one_line(tmp_path, capsys, monkeypatch
                            "data/3: file write failed")
 
     monkeypatch.setattr(torch, "save", save_then_fill_the_disk)
-    monkeypatch.setattr(resharding.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**9, 10**9 - 4096, 4096))
+    monkeypatch.setattr(part_files.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**9, 10**9 - 4096, 4096))
     out = tmp_path / "out"
     rc = reshard_checkpoint.main(["--input", path, "--output", str(out / "m.pt"), "--model-parallel-size", "2"])
     err = capsys.readouterr().err.strip()

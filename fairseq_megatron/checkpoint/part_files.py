@@ -17,6 +17,7 @@ import shutil
 import zipfile
 from typing import List, Optional
 
+from fairseq_megatron.checkpoint.commit import check_tokens, finish_commit, read_manifest, saved_token
 from fairseq_megatron.checkpoint.layout import CheckpointError
 from fairseq_megatron.errors import check_directory_can_be_made
 
@@ -64,6 +65,9 @@ def find_part_files(path: str) -> List[str]:
     kind a name not ending in ``.pt`` can name: fairseq's part names replace
     the ``.pt``).
 
+    A save of the parts that was killed after its commit point is first
+    completed (:func:`fairseq_megatron.checkpoint.commit.finish_commit`).
+
     Raises:
         FileNotFoundError: neither ``path`` nor any ``<path>-model_part-K.pt`` exists.
         CheckpointError: ``path`` is a directory, the part numbers have a
@@ -73,6 +77,11 @@ def find_part_files(path: str) -> List[str]:
     if os.path.isdir(path):
         raise CheckpointError(f"{path} is a directory, not a checkpoint: name a checkpoint in it, such as "
                               f"{os.path.join(path, 'checkpoint_best.pt')}")
+    if path.endswith(".pt"):
+        try:
+            finish_commit(path)  # a save killed after its commit point: its renames done here
+        except OSError as e:
+            raise CheckpointError(f"cannot complete the save of {path} that its manifest records: {e}") from None
     ranks = _part_ranks(path)
     if os.path.exists(path):
         if ranks:
@@ -129,22 +138,24 @@ def update_count(state: dict) -> Optional[int]:
     return history[-1].get("num_updates")
 
 
-def _saved_update(path: str) -> Optional[int]:
-    """:func:`update_count` of checkpoint file ``path``, read through a memory
-    map; None for a file in the legacy format or one torch cannot read (the
+def _saved_state(path: str) -> Optional[dict]:
+    """Checkpoint file ``path`` read through a memory map, its tensors left on
+    disk; None for a file in the legacy format or one torch cannot read (the
     load that follows reports it)."""
     import torch
 
     if not can_be_memory_mapped(path):
         return None
     try:
-        return update_count(torch.load(path, map_location="cpu", weights_only=False, mmap=True))
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception:
         return None
 
 
 def check_one_save(files: List[str], states: Optional[List[dict]] = None) -> None:
     """Raise CheckpointError where the part files ``files`` of one checkpoint
+    are not of the save their manifest records
+    (:mod:`fairseq_megatron.checkpoint.commit`), or, without a manifest,
     were saved at different updates: a save interrupted between its parts,
     or parts of two runs put together. Each rank loads only its own part, so
     nothing else would notice at the size they were saved at (the
@@ -154,7 +165,13 @@ def check_one_save(files: List[str], states: Optional[List[dict]] = None) -> Non
     in torch's legacy format cannot be, and are not compared)."""
     if len(files) < 2:
         return
-    updates = [update_count(state) for state in states] if states is not None else [_saved_update(f) for f in files]
+    states = states if states is not None else [_saved_state(f) for f in files]
+    checkpoint = checkpoint_of_part(files[0]) or files[0]
+    manifest = read_manifest(checkpoint)
+    if manifest is not None:
+        check_tokens(checkpoint, manifest, files, [saved_token(state) if state else None for state in states])
+        return
+    updates = [update_count(state) if state else None for state in states]
     if len({u for u in updates if u is not None}) > 1:
         saved = ", ".join(f"{os.path.basename(f)} at update {u}" for f, u in zip(files, updates) if u is not None)
         raise CheckpointError(f"the model parts of {checkpoint_of_part(files[0]) or files[0]} are not one save: "

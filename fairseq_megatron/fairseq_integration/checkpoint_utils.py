@@ -58,9 +58,12 @@ import warnings
 from typing import Optional
 
 import numpy as np
+import torch.distributed as dist
 from fairseq import checkpoint_utils
 from fairseq.file_io import PathManager
 
+from fairseq_megatron.checkpoint import commit
+from fairseq_megatron.checkpoint.commit import manifest_path, remove_stale, staged_name, write_manifest
 from fairseq_megatron.checkpoint.layout import CheckpointError
 from fairseq_megatron.checkpoint.part_files import (
     can_be_memory_mapped,
@@ -68,6 +71,8 @@ from fairseq_megatron.checkpoint.part_files import (
     check_integrity,
     checkpoint_of_part,
     find_part_files,
+    output_paths,
+    part_path,
     write_error,
 )
 from fairseq_megatron.errors import UsageError
@@ -231,8 +236,6 @@ def check_integrity_on_every_rank(path: str) -> None:
     except CheckpointError as e:
         error = str(e)
     if parallel_state.model_parallel_is_initialized() and parallel_state.get_tensor_model_parallel_world_size() > 1:
-        import torch.distributed as dist
-
         found = [None] * parallel_state.get_tensor_model_parallel_world_size()
         dist.all_gather_object(found, error, group=parallel_state.get_tensor_model_parallel_group())
         error = next((e for e in found if e is not None), None)
@@ -478,11 +481,59 @@ def copy_whole(src: str, dst: str) -> None:
 
 
 def _remove(paths) -> None:
+    """Remove this rank's part files ``paths`` (old checkpoints fairseq's
+    --keep-* options drop), and with part 0 its checkpoint's manifest."""
     for path in paths:
         if os.path.lexists(path):
             os.remove(path)
         elif PathManager.exists(path):
             PathManager.rm(path)
+        checkpoint = checkpoint_of_part(path)
+        if checkpoint is not None and part_path(checkpoint, 0) == path and os.path.lexists(manifest_path(checkpoint)):
+            os.remove(manifest_path(checkpoint))
+
+
+def _on_every_rank(step, what: str):
+    """Run ``step()`` on each rank of the model-parallel group and exchange
+    the outcomes, so that no rank goes on (or waits) when another failed:
+    each rank raises its own error, or a line naming the rank that failed."""
+    error = None
+    try:
+        step()
+    except Exception as e:
+        error = e
+    found = [None] * parallel_state.get_tensor_model_parallel_world_size()
+    dist.all_gather_object(found, None if error is None else str(error),
+                           group=parallel_state.get_tensor_model_parallel_group())
+    if error is not None:
+        raise error
+    failed = [(rank, said) for rank, said in enumerate(found) if said is not None]
+    if failed:
+        rank, said = failed[0]
+        raise CheckpointError(f"{what} failed on model-parallel rank {rank}: {said}")
+
+
+def _save_committed(write, part: str, token: str, updates: int) -> None:
+    """Write this rank's part file ``part`` of a save of model parts as a
+    commit (:mod:`fairseq_megatron.checkpoint.commit`): ``write(path)``
+    writes it under its staged name on every rank; model-parallel rank 0
+    then writes the manifest; then each rank renames its part. A failure
+    on any rank before the commit point stops every rank, the staged files
+    removed and the previous save left under the name."""
+    staged = staged_name(part, token)
+    checkpoint = checkpoint_of_part(part)
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    try:
+        _on_every_rank(lambda: write(staged), f"saving {checkpoint}")
+        _on_every_rank(lambda: write_manifest(checkpoint, token, updates, output_paths(checkpoint, size))
+                       if parallel_state.get_tensor_model_parallel_rank() == 0 else None,
+                       f"committing the save of {checkpoint}")
+    except BaseException:
+        if os.path.lexists(staged):
+            os.remove(staged)
+        raise
+    os.replace(staged, part)
+    remove_stale(part, token)
 
 
 def save_checkpoint_of_model_parts(cfg, trainer, epoch_itr, val_loss, best_holder) -> Optional[str]:
@@ -550,7 +601,18 @@ def save_checkpoint_of_model_parts(cfg, trainer, epoch_itr, val_loss, best_holde
 
     checkpoints = [os.path.join(cfg.save_dir, name) for name, cond in conds.items() if cond]
     saved = None
-    if checkpoints:
+    committed = (parallel_state.get_tensor_model_parallel_world_size() > 1 and "://" not in cfg.save_dir
+                 and not cfg.write_checkpoints_asynchronously)
+    if checkpoints and committed:  # every file a commit of all parts (see _save_committed)
+        token = [commit.new_token()]  # model-parallel rank 0's, sent to the others
+        group = parallel_state.get_tensor_model_parallel_group()
+        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+        extra_state["save"] = {"token": token[0], "updates": updates}
+        _save_committed(lambda staged: trainer.save_checkpoint(staged, extra_state), checkpoints[0], token[0],
+                        updates)
+        for other in checkpoints[1:]:
+            _save_committed(lambda staged: copy_whole(checkpoints[0], staged), other, token[0], updates)
+    elif checkpoints:
         saved = trainer.save_checkpoint(checkpoints[0], extra_state)
         for other in checkpoints[1:]:
             if cfg.write_checkpoints_asynchronously:
@@ -559,6 +621,7 @@ def save_checkpoint_of_model_parts(cfg, trainer, epoch_itr, val_loss, best_holde
                 assert PathManager.copy(checkpoints[0], other, overwrite=True), f"Failed to copy to {other}"
             else:
                 copy_whole(checkpoints[0], other)
+    if checkpoints:
         write_timer.stop()
         logger.info(f"Saved checkpoint {checkpoints[0]} (epoch {epoch} @ {updates} updates, score {val_loss}) "
                     f"(writing took {write_timer.sum} seconds)")

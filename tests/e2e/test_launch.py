@@ -76,8 +76,8 @@ def test_fairseq_spawning_its_processes(trained, tmp_path):
     assert "training on 2 devices" in log and "torch.distributed.run" not in log, log[-3000:]
     expected = per_update(trained["first_log"], "loss")
     assert len(expected) == 4 and per_update(log, "loss") == expected, (per_update(log, "loss"), expected)
-    assert sorted(os.listdir(tmp_path / "spawned")) == ["checkpoint_last-model_part-0.pt",
-                                                        "checkpoint_last-model_part-1.pt"]
+    assert sorted(os.listdir(tmp_path / "spawned")) == [
+        "checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt", "checkpoint_last.pt.manifest.json"]
     # fairseq-eval-lm (docs/evaluation.md's command for the published model spawns 8), here with two
     # data-parallel groups: the plugin's tally over the groups must reach the spawned processes too
     path = str(tmp_path / "spawned" / "checkpoint_last.pt")
@@ -139,8 +139,8 @@ def test_fairseq_train_under_slurm(trained, tmp_path):
     _, torchrun = fairseq("train", train_args(trained["data"], str(tmp_path / "torchrun"), max_update=4), nproc=4)
     expected = per_update(torchrun, "loss")
     assert len(expected) == 4 and per_update(log, "loss") == expected, (per_update(log, "loss"), expected)
-    assert sorted(os.listdir(tmp_path / "per-node")) == ["checkpoint_last-model_part-0.pt",
-                                                         "checkpoint_last-model_part-1.pt"]
+    assert sorted(os.listdir(tmp_path / "per-node")) == [
+        "checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt", "checkpoint_last.pt.manifest.json"]
 
     line = ("error: --distributed-world-size 3 is not divisible by the 2 SLURM nodes (one task per node spawns "
             "the same number on each)")

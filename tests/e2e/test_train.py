@@ -1,5 +1,6 @@
 """fairseq-train of our models on CPU processes: part files, resuming, the options it refuses before it writes, the checkpoint it starts from."""
 
+import json
 import os
 import re
 import shutil
@@ -14,9 +15,16 @@ from tests.helpers import fairseq
 
 
 def test_train_writes_one_part_per_rank(trained):
-    parts = sorted(f for f in os.listdir(trained["ckpt"]) if f.startswith("checkpoint_last"))
-    assert parts == ["checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt"]
+    """Each rank writes its part; the save is committed by a manifest that
+    lists the parts and the token each of them carries (one save)."""
+    files = sorted(os.listdir(trained["ckpt"]))
+    assert files == ["checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt",
+                     "checkpoint_last.pt.manifest.json"], files
+    parts = files[:2]
     states = [torch.load(os.path.join(trained["ckpt"], p), weights_only=False) for p in parts]
+    manifest = json.loads((trained["root"] / "ckpt" / "checkpoint_last.pt.manifest.json").read_text())
+    assert manifest["parts"] == parts and manifest["updates"] == 4
+    assert [state["extra_state"]["save"] for state in states] == [{"token": manifest["token"], "updates": 4}] * 2
     for rank, state in enumerate(states):
         emb = state["model"]["decoder.embed_tokens.weight"]
         assert tuple(emb.shape) == (512 // 2, 64), "embedding is not vocab-sharded"
@@ -419,8 +427,12 @@ def test_keep_best_checkpoints_of_model_parts(trained, tmp_path):
         scores = sorted(float(m.group(1)[:-1]) for f in best
                         if (m := re.fullmatch(rf"checkpoint\.best_loss_(\d+\.\d+)-model_part-{part}\.pt", f)))
         assert scores == sorted(losses)[:2], (scores, losses, files)
-    assert sorted(set(files) - set(best)) == [f"checkpoint{kind}-model_part-{part}.pt"
+    parts = [f for f in files if f.endswith(".pt")]
+    assert sorted(set(parts) - set(best)) == [f"checkpoint{kind}-model_part-{part}.pt"
                                                for kind in ("_1_4", "_best", "_last") for part in (0, 1)], files
+    # one manifest per checkpoint kept (those of the removed ones removed with them)
+    assert sorted(set(files) - set(parts)) == sorted(f"{f.replace('-model_part-0.pt', '.pt')}.manifest.json"
+                                                     for f in parts if "-model_part-0." in f), files
 
 
 def test_checkpoints_under_a_directory_named_with_pt(trained, tmp_path):

@@ -1,13 +1,13 @@
-"""Unmodified fairseq-train / fairseq-eval-lm at model-parallel size 2 (torchrun, 2 CPU processes).
-
-One small training run is shared by the tests of this module: train, resume,
-evaluate at size 2, reshard to size 1 and evaluate again, and the errors a
-user meets with bad launches or incomplete checkpoints."""
+"""The copies fairseq-train makes of a part it just saved (``checkpoint_last``
+after an interval checkpoint, ``checkpoint_best``): written whole or not at all."""
 
 import os
+import re
 import shutil
 
 import pytest
+
+from fairseq_megatron.checkpoint.layout import CheckpointError
 
 
 def test_an_interrupted_checkpoint_copy_leaves_the_old_file_whole(tmp_path, monkeypatch):
@@ -16,8 +16,9 @@ def test_an_interrupted_checkpoint_copy_leaves_the_old_file_whole(tmp_path, monk
     with ``PathManager.copy``; upstream that wrote the destination in place,
     so a copy cut short (the job killed, the disk full) left a truncated
     ``checkpoint_last``. Our models' saves copy with ``copy_whole``: here the
-    copy stops half-way with an OSError, the old file is still whole and no
-    temporary file is left; an uninterrupted copy replaces it."""
+    copy stops half-way with an OSError (a full disk), which is one line, the
+    old file is still whole and no temporary file is left; an uninterrupted
+    copy replaces it."""
     from fairseq_megatron.fairseq_integration.checkpoint_utils import copy_whole
 
     src, dst = tmp_path / "checkpoint_1_4-model_part-0.pt", tmp_path / "checkpoint_last-model_part-0.pt"
@@ -31,8 +32,10 @@ def test_an_interrupted_checkpoint_copy_leaves_the_old_file_whole(tmp_path, monk
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(shutil, "copyfile", copy_half)
-    with pytest.raises(OSError, match="No space left on device"):
+    with pytest.raises(CheckpointError) as raised:  # one line: the file, the reason, the bytes
         copy_whole(str(src), str(dst))
+    assert re.fullmatch(rf"cannot write {re.escape(str(dst))}: No space left on device \(0\.00 MB to write, "
+                        r"[\d.]+ [MG]B free there\); nothing was written", str(raised.value)), str(raised.value)
     assert dst.read_bytes() == b"old" * 1000
     assert sorted(os.listdir(tmp_path)) == [src.name, dst.name]
     monkeypatch.undo()

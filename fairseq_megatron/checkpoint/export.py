@@ -1,6 +1,7 @@
 """A single-file checkpoint for fairseq's own, non-parallel ``transformer_lm``
 (``fairseq-megatron-reshard --to-fairseq``)."""
 
+import copy
 import dataclasses
 import os
 import re
@@ -28,6 +29,19 @@ def _plain(value):
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     return str(value)
+
+
+def _config_of_args(args) -> dict:
+    """The config fairseq's loader makes of a checkpoint that holds argparse
+    ``args`` only (fairseq before 0.10, as the published Megatron-11b):
+    ``convert_namespace_to_omegaconf``, as plain Python values. Without it
+    the export had no task config, and stock fairseq's hub could not load it."""
+    if args is None:
+        return {}
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(convert_namespace_to_omegaconf(copy.deepcopy(args)), resolve=True)
 
 
 def fairseq_transformer_lm_config(config, cfg: Optional[dict] = None) -> dict:
@@ -86,7 +100,7 @@ def export_to_fairseq(input_path: str, output_path: str, vocab_size: Optional[in
         for key in EMBED_KEYS:
             if key in model:
                 model[key] = embed
-    cfg = _plain(parts.metadata.get("cfg") or {})
+    cfg = _plain(parts.metadata.get("cfg") or _config_of_args(parts.metadata.get("args")))
     cfg["model"] = fairseq_transformer_lm_config(model_config(parts.metadata), cfg)
     cfg.setdefault("common", {})["model_parallel_size"] = 1
     cfg["criterion"] = {"_name": "cross_entropy", "sentence_avg": False}

@@ -38,6 +38,7 @@ from typing import Dict, List, Optional
 import torch
 
 from fairseq_megatron.checkpoint.layout import CheckpointError
+from fairseq_megatron.checkpoint.part_files import is_write_failure, write_error
 from fairseq_megatron.checkpoint.resharding import (
     PartFiles,
     config_value,
@@ -324,8 +325,10 @@ def export_to_transformers(input_path: str, output_dir: str, dictionary=None, en
         if os.path.isdir(output_dir):
             os.rmdir(output_dir)  # empty, checked above
         os.replace(tmp, output_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # first: the space it took is free again
+        if isinstance(e, (OSError, RuntimeError)) and is_write_failure(e):
+            raise write_error(output_dir, e) from None
         raise
     return output_dir
 

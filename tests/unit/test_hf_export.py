@@ -11,6 +11,7 @@ absolute logit). The weights are the same numbers; transformers' attention
 a wrong weight, position or mask is off by far more than 1e-3 of the scale.
 """
 
+import errno
 import json
 import os
 
@@ -168,3 +169,32 @@ def test_bad_input_is_one_line_and_writes_nothing(exported, tmp_path, capsys):
     (out / "config.json").write_text("{}")
     assert reshard_checkpoint.main(["--input", exported["src"], "--output", str(out), "--to-hf"]) == 1
     assert "holds files" in capsys.readouterr().err and os.listdir(out) == ["config.json"]
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(exported, tmp_path, capsys, monkeypatch):
+    """safetensors fails to write the second shard (the disk filled): one
+    line with the reason and the bytes free, no output and no temporary
+    directory (it was a traceback)."""
+    import safetensors.torch
+
+    real_save, calls = safetensors.torch.save_file, []
+
+    def save_then_fill_the_disk(tensors, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) < 2:
+            return real_save(tensors, path, *args, **kwargs)
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_then_fill_the_disk)
+    out = tmp_path / "out"
+    dictionary = tmp_path / "dict.txt"
+    make_dictionary(WORDS).save(str(dictionary))
+    argv = ["--input", exported["src"], "--output", str(out), "--to-hf", "--dict", str(dictionary),
+            "--max-shard-size", "0.00002"]
+    assert reshard_checkpoint.main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: cannot write {out}: No space left on device (") and err.endswith(
+        " free there); nothing was written") and "\n" not in err, err
+    assert len(calls) == 2 and os.listdir(tmp_path) == ["dict.txt"]

@@ -11,9 +11,10 @@ import os
 import pytest
 import torch
 
-from fairseq_megatron.checkpoint.commit import manifest_path, staged_name
+from fairseq_megatron.checkpoint.commit import staged_name
 from fairseq_megatron.checkpoint.part_files import check_complete, find_part_files, part_path, update_count
 from tests.helpers import init_model_parallel, run_distributed
+from tests.support.full_disk import FullDiskAt
 
 
 class _Stopped(Exception):
@@ -37,16 +38,13 @@ def _commit_worker(rank, world_size, root, fault):
     with open(staged_name(part, "d" * 32), "wb") as f:  # left by a save killed before its commit point
         f.write(b"PK\x03\x04 partial")
 
-    def full_disk(state, staged):
-        with open(staged, "wb") as f:
-            f.write(b"PK\x03\x04 partial")
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
     write, real_replace = torch.save, os.replace
     if fault == "write" and rank == 1:
-        write = full_disk
+        write = FullDiskAt(torch.save, call=1)
     if fault == "manifest" and rank == 0:
-        checkpoint_utils.write_manifest = lambda *args: full_disk(None, manifest_path(path) + ".tmp-1")
+        def no_space(*args):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        checkpoint_utils.write_manifest = no_space
     if fault == "rename" and rank == 1:
         def stopped_before_the_rename(src, dst):
             if src.startswith(part + ".staged-"):

@@ -2,13 +2,13 @@
 part per rank) when the disk is full: the write is made to fail on rank 1
 only, as a disk that fills during the save would."""
 
-import errno
 import os
 
 import pytest
 import torch
 
 from tests.helpers import build_trainer, run_distributed
+from tests.support.full_disk import TORCH_WRITE_FAILED, FullDiskAt
 
 
 def _full_disk_worker(rank, world_size, save_dir, error):
@@ -23,17 +23,8 @@ def _full_disk_worker(rank, world_size, save_dir, error):
     before = open(part, "rb").read()
     trainer.train_step([next(batches)])
     real_save = torch.save
-
-    def save_then_fill_the_disk(obj, f, *args, **kwargs):
-        if rank == 0:
-            return real_save(obj, f, *args, **kwargs)
-        f.write(b"PK\x03\x04 partial")  # fairseq hands torch.save the open temporary file
-        if error == "ENOSPC":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        raise RuntimeError("[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing file "
-                           "data/3: file write failed")
-
-    torch.save = save_then_fill_the_disk
+    if rank == 1:  # fairseq hands torch.save the open temporary file
+        torch.save = FullDiskAt(real_save, call=1, error=error)
     try:
         trainer.consolidate_optimizer()
         trainer.save_checkpoint(path, {})
@@ -59,9 +50,8 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_the_previous_part(tmp_
     outcomes = run_distributed(_full_disk_worker, 2, tmp_path, save_dir, error)
     assert outcomes[0]["said"] is None and not outcomes[0]["unchanged"]  # rank 0 saved the new update
     said = outcomes[1]["said"]
-    reason = "No space left on device" if error == "ENOSPC" else (  # torch's words: the bytes needed are unknown
-        "RuntimeError: [enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing file data/3: "
-        "file write failed")
+    # torch's words where it failed: the bytes needed are unknown
+    reason = "No space left on device" if error == "ENOSPC" else f"RuntimeError: {TORCH_WRITE_FAILED}"
     assert said is not None and said.startswith(f"cannot write {outcomes[1]['part']}: {reason} (") and said.endswith(
         " free there); nothing was written"), said
     assert outcomes[1]["unchanged"]

@@ -4,7 +4,6 @@ Logit tolerance (fp32): rtol=atol=1e-5, as in test_model_parity.py: the
 weights are bitwise the same at every size; only the order of the fp32 sums
 in row-parallel layers and the gathered vocabulary changes (~1e-6)."""
 
-import errno
 import os
 import re
 import shutil
@@ -21,6 +20,7 @@ from fairseq_megatron.checkpoint.resharding import PartFiles, reshard, resharded
 from fairseq_megatron.cli import reshard_checkpoint
 from tests.helpers import make_dictionary
 from tests.support.checkpoint_resharding import WORDS, save_checkpoint
+from tests.support.full_disk import FullDiskAt
 
 
 def _models(path):
@@ -420,20 +420,8 @@ def test_a_full_disk_leaves_no_output_and_one_line(tmp_path, capsys, monkeypatch
     path = str(tmp_path / "model.pt")
     save_checkpoint(path, 1)
     inputs = {f: open(f, "rb").read() for f in find_part_files(path)}
-    real_save, calls = torch.save, []
-
-    def save_then_fill_the_disk(obj, f, *args, **kwargs):
-        calls.append(f)
-        if len(calls) < 2:
-            return real_save(obj, f, *args, **kwargs)
-        with open(f, "wb") as out:
-            out.write(b"PK\x03\x04 partial")
-        if error == "ENOSPC":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        raise RuntimeError("[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing file "
-                           "data/3: file write failed")
-
-    monkeypatch.setattr(torch, "save", save_then_fill_the_disk)
+    save = FullDiskAt(torch.save, call=2, error=error)
+    monkeypatch.setattr(torch, "save", save)
     monkeypatch.setattr(part_files.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**9, 10**9 - 4096, 4096))
     out = tmp_path / "out"
     rc = reshard_checkpoint.main(["--input", path, "--output", str(out / "m.pt"), "--model-parallel-size", "2"])
@@ -441,7 +429,7 @@ def test_a_full_disk_leaves_no_output_and_one_line(tmp_path, capsys, monkeypatch
     assert rc == 1 and re.fullmatch(
         rf"error: cannot write {re.escape(str(out / 'm-model_part-1.pt'))}: No space left on device "
         r"\(0\.\d\d MB to write, 0\.00 MB free there\); nothing was written", err), err
-    assert len(calls) == 2 and os.listdir(out) == []
+    assert len(save.calls) == 2 and os.listdir(out) == []
     assert {f: open(f, "rb").read() for f in find_part_files(path)} == inputs
 
 

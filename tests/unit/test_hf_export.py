@@ -11,7 +11,6 @@ absolute logit). The weights are the same numbers; transformers' attention
 a wrong weight, position or mask is off by far more than 1e-3 of the scale.
 """
 
-import errno
 import json
 import os
 
@@ -22,6 +21,7 @@ from fairseq_megatron.checkpoint.hf_export import export_to_transformers, requir
 from fairseq_megatron.cli import reshard_checkpoint
 from tests.helpers import make_dictionary
 from tests.support.checkpoint_resharding import WORDS, build_at_size, save_checkpoint
+from tests.support.full_disk import FullDiskAt
 
 transformers = require_transformers()
 
@@ -177,17 +177,8 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(exported, tmp_path, capsys, 
     directory (it was a traceback)."""
     import safetensors.torch
 
-    real_save, calls = safetensors.torch.save_file, []
-
-    def save_then_fill_the_disk(tensors, path, *args, **kwargs):
-        calls.append(path)
-        if len(calls) < 2:
-            return real_save(tensors, path, *args, **kwargs)
-        with open(path, "wb") as f:
-            f.write(b"partial")
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(safetensors.torch, "save_file", save_then_fill_the_disk)
+    save = FullDiskAt(safetensors.torch.save_file, call=2)
+    monkeypatch.setattr(safetensors.torch, "save_file", save)
     out = tmp_path / "out"
     dictionary = tmp_path / "dict.txt"
     make_dictionary(WORDS).save(str(dictionary))
@@ -197,4 +188,4 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(exported, tmp_path, capsys, 
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: cannot write {out}: No space left on device (") and err.endswith(
         " free there); nothing was written") and "\n" not in err, err
-    assert len(calls) == 2 and os.listdir(tmp_path) == ["dict.txt"]
+    assert len(save.calls) == 2 and os.listdir(tmp_path) == ["dict.txt"]

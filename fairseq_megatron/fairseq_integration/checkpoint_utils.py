@@ -545,7 +545,9 @@ def save_checkpoint_of_model_parts(cfg, trainer, epoch_itr, val_loss, best_holde
     score of a kept best-N file is read with the file-name pattern's group
     (fairseq split the name at its last "_", which the part suffix holds), and
     the copies of the file written first are written whole (a temporary name
-    in the same directory, then a rename; fairseq copied in place).
+    in the same directory, then a rename; fairseq copied in place), and at
+    model-parallel size > 1 every file is a commit of all its parts
+    (:func:`_save_committed`).
     ``best_holder``: the function object fairseq keeps the best score on
     (``save_checkpoint.best``, read by fairseq-train and ``load_checkpoint``)."""
     from fairseq import meters

@@ -2,8 +2,8 @@
 command (or per rank of a command) for the end-to-end tests.
 
 Each fairseq command the tests run starts fresh interpreters (torchrun's and
-one per rank) that import torch and fairseq: about 2.5 CPU seconds each
-before any work, most of the suite's time on 2 cores. A process forked from
+one per rank) that import torch and fairseq: seconds of CPU each before
+any work, most of the suite's time on 2 cores. A process forked from
 this one starts with those two imports done and nothing else: the command's
 module (``fairseq_cli.train``, ``fairseq_megatron.cli...``) runs as
 ``python -m`` runs it (``runpy``'s function for that, ``sys.argv`` and the

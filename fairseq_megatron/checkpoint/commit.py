@@ -1,8 +1,8 @@
 """A checkpoint save as a commit: all model parts of one save, or none.
 
 Each rank writes its own part file, and renaming several files is not
-atomic: a save killed between two ranks' renames left part 0 of update 22
-beside part 1 of update 21. A save of a checkpoint ``NAME.pt`` in N > 1
+atomic: a save killed between two ranks' renames left part 0 of the new
+save beside part 1 of the previous one. A save of a checkpoint ``NAME.pt`` in N > 1
 parts therefore goes:
 
 1. Every rank writes its part under a staged name,

@@ -22,7 +22,7 @@ from fairseq_megatron.checkpoint.layout import CheckpointError
 from fairseq_megatron.errors import check_directory_can_be_made
 
 PART_SUFFIX = "-model_part-{}"
-# Set to 1 to skip the CRC-32 check of every checkpoint file read (about a second per GB).
+# Set to 1 to skip the CRC-32 check of every checkpoint file read (its cost: docs/benchmarks.md).
 SKIP_INTEGRITY_CHECK = "FAIRSEQ_MEGATRON_SKIP_INTEGRITY_CHECK"
 
 logger = logging.getLogger(__name__)
@@ -200,7 +200,8 @@ def check_complete(files: List[str]) -> None:
 def check_integrity(path: str) -> bool:
     """Read checkpoint file ``path`` whole and check every record of its zip
     archive against the CRC-32 that ``torch.save`` stored: flipped bits are
-    otherwise loaded as weights. About a second per GB from the page cache.
+    otherwise loaded as weights (the cost of that read:
+    ``scripts/benchmark_integrity_check.py``).
     Returns whether it could be checked: not a file saved by PyTorch before
     1.6 (not a zip archive), nor one saved with its CRCs off
     (``torch.serialization.set_crc32_options(False)`` writes zeros); those

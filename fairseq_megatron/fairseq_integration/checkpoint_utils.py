@@ -220,6 +220,30 @@ def resharded_state(path: str, files: list, arg_overrides=None, with_ema: bool =
     return state
 
 
+def _on_every_rank(step, raised_elsewhere) -> None:
+    """Run ``step()`` on each rank of the model-parallel group and exchange
+    the outcomes, so that no rank goes on, or waits in a collective, when
+    another failed: a rank whose step failed raises its own error, the
+    others ``raised_elsewhere(rank, message)`` of the first rank that
+    failed. Without model parallelism, ``step()`` alone."""
+    error = None
+    try:
+        step()
+    except Exception as e:
+        error = e
+    size = parallel_state.get_tensor_model_parallel_world_size() \
+        if parallel_state.model_parallel_is_initialized() else 1
+    found = [None] * size
+    if size > 1:
+        dist.all_gather_object(found, None if error is None else str(error),
+                               group=parallel_state.get_tensor_model_parallel_group())
+    if error is not None:
+        raise error
+    failed = [(rank, said) for rank, said in enumerate(found) if said is not None]
+    if failed:
+        raise raised_elsewhere(*failed[0])
+
+
 def check_integrity_on_every_rank(path: str) -> None:
     """:func:`check_integrity` of ``path``, this rank's part: each rank of a
     model-parallel group reads only its own, and a corrupted part must stop
@@ -228,19 +252,9 @@ def check_integrity_on_every_rank(path: str) -> None:
 
     Raises:
         CheckpointError: a part of the group failed its check, on every rank
-            of the group (the message of the first such part).
+            of the group (the message of that part).
     """
-    error = None
-    try:
-        check_integrity(path)
-    except CheckpointError as e:
-        error = str(e)
-    if parallel_state.model_parallel_is_initialized() and parallel_state.get_tensor_model_parallel_world_size() > 1:
-        found = [None] * parallel_state.get_tensor_model_parallel_world_size()
-        dist.all_gather_object(found, error, group=parallel_state.get_tensor_model_parallel_group())
-        error = next((e for e in found if e is not None), None)
-    if error is not None:
-        raise CheckpointError(error)
+    _on_every_rank(lambda: check_integrity(path), lambda rank, said: CheckpointError(said))
 
 
 def load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, strict=True, suffix="", num_shards=1,
@@ -493,24 +507,9 @@ def _remove(paths) -> None:
             os.remove(manifest_path(checkpoint))
 
 
-def _on_every_rank(step, what: str):
-    """Run ``step()`` on each rank of the model-parallel group and exchange
-    the outcomes, so that no rank goes on (or waits) when another failed:
-    each rank raises its own error, or a line naming the rank that failed."""
-    error = None
-    try:
-        step()
-    except Exception as e:
-        error = e
-    found = [None] * parallel_state.get_tensor_model_parallel_world_size()
-    dist.all_gather_object(found, None if error is None else str(error),
-                           group=parallel_state.get_tensor_model_parallel_group())
-    if error is not None:
-        raise error
-    failed = [(rank, said) for rank, said in enumerate(found) if said is not None]
-    if failed:
-        rank, said = failed[0]
-        raise CheckpointError(f"{what} failed on model-parallel rank {rank}: {said}")
+def _failed_on_a_rank(what: str):
+    """What :func:`_on_every_rank` raises where another rank failed at ``what``."""
+    return lambda rank, said: CheckpointError(f"{what} failed on model-parallel rank {rank}: {said}")
 
 
 def _save_committed(write, part: str, token: str, updates: int) -> None:
@@ -524,10 +523,10 @@ def _save_committed(write, part: str, token: str, updates: int) -> None:
     checkpoint = checkpoint_of_part(part)
     size = parallel_state.get_tensor_model_parallel_world_size()
     try:
-        _on_every_rank(lambda: write(staged), f"saving {checkpoint}")
+        _on_every_rank(lambda: write(staged), _failed_on_a_rank(f"saving {checkpoint}"))
         _on_every_rank(lambda: write_manifest(checkpoint, token, updates, output_paths(checkpoint, size))
                        if parallel_state.get_tensor_model_parallel_rank() == 0 else None,
-                       f"committing the save of {checkpoint}")
+                       _failed_on_a_rank(f"committing the save of {checkpoint}"))
     except BaseException:
         if os.path.lexists(staged):
             os.remove(staged)

@@ -27,9 +27,9 @@ standard input closes.
 
 Not for what a fresh interpreter must show: the environment variables read
 at import time (``PYTHON*``, ``OMP_*``, ``MKL_*``, ``TORCH*``, ``CUDA*``)
-are the server's, so ``tests.helpers.fairseq`` sends a command here only
-when they are equal, and tests of start-up itself (torchrun, fairseq's own
-spawn, SLURM, the import guard) run real interpreters.
+are the server's, which ``tests.helpers`` starts with the environment it
+gives every command (``ENV``), and tests of start-up itself (torchrun,
+fairseq's own spawn, SLURM, the import guard) run real interpreters.
 """
 
 import atexit

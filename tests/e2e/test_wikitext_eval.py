@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from tests.e2e.common import DETOK, RAW
+from tests.support.bpe_text import VARIED
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "examples", "megatron_11b"))
@@ -26,14 +27,6 @@ import renormalize_ppl  # noqa: E402  isort:skip
 # "The game 's battle system is a role @-@ playing one ." 12+1; "= = Gameplay = =" 5+1;
 # "Its score was 7 @.@ 5 out of 10 ." 10+1
 ORIG_TOKENS = 6 + 15 + 13 + 6 + 11
-VARIED = [
-    "Hello world! It's 2024; we'll see you're fine, they've said, I'm sure he'd agree.",
-    "naïve café — Zürich 東京 😀 emoji and ÜBER-ümlauts",
-    "numbers 12,345.67 and 3.14159 and 1e-9 and 007",
-    "long    whitespace\t\truns   and trailing spaces   ",
-    "   leading spaces, tabs\tand (brackets) [x] {y} <z> @-@ = = heading = =",
-    "''quoted'' \"double\" `back` ...ellipsis--dash",
-]
 
 
 def _args(gpt2_files, small_megatron, work, **changes):
@@ -112,6 +105,22 @@ def test_bpe_cli_drops_empty_lines_like_fairseq(gpt2_files, tmp_path):
     assert len(out_keep.read_text().split("\n")[:-1]) == len(DETOK)
 
 
+def _text_clis(gpt2_files, src, output):
+    """(main, argv, output flag) of detok.py and bpe_encode.py reading ``src`` into ``output``."""
+    encoder_json, vocab_bpe, _ = gpt2_files
+    return [(detok.main, [str(src), "--output", str(output)], "--output"),
+            (bpe_encode.main, ["--encoder-json", encoder_json, "--vocab-bpe", vocab_bpe, "--inputs", str(src),
+                               "--outputs", str(output)], "--outputs")]
+
+
+def _usage_error(main, argv, capsys):
+    """The last line ``main(argv)`` wrote to standard error, after it exited with argparse's status 2."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_detok_and_bpe_clis_refuse_bad_files_and_outputs_in_one_line(gpt2_files, tmp_path, capsys):
     """An output in a directory that does not exist was a traceback after
     the work (detok), and an output that is a directory an error after it;
@@ -126,15 +135,8 @@ def test_detok_and_bpe_clis_refuse_bad_files_and_outputs_in_one_line(gpt2_files,
     a_directory.mkdir()
     for output, said in [(missing, f"{missing}: no such directory"),
                          (a_directory, f"{a_directory} is a directory: name a file in it")]:
-        for main, argv, flag in [
-            (detok.main, [str(src), "--output", str(output)], "--output"),
-            (bpe_encode.main, ["--encoder-json", encoder_json, "--vocab-bpe", vocab_bpe, "--inputs", str(src),
-                               "--outputs", str(output)], "--outputs"),
-        ]:
-            with pytest.raises(SystemExit) as exited:
-                main(argv)
-            assert exited.value.code == 2
-            assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {flag} {said}")
+        for main, argv, flag in _text_clis(gpt2_files, src, output):
+            assert _usage_error(main, argv, capsys).endswith(f"error: {flag} {said}")
     assert os.listdir(a_directory) == [] and sorted(os.listdir(tmp_path)) == ["a_directory", "in.txt"]
 
     not_json, a_list, bad_merge = tmp_path / "e.txt", tmp_path / "list.json", tmp_path / "vocab.bpe"
@@ -167,15 +169,8 @@ def test_detok_and_bpe_clis_never_overwrite_their_input_and_name_bad_bytes(gpt2_
     src = tmp_path / "in.txt"
     src.write_text("\n".join(RAW) + "\n", encoding="utf-8")
     before = src.read_bytes()
-    for main, argv, flag in [
-        (detok.main, [str(src), "--output", str(src)], "--output"),
-        (bpe_encode.main, ["--encoder-json", encoder_json, "--vocab-bpe", vocab_bpe, "--inputs", str(src),
-                           "--outputs", str(src)], "--outputs"),
-    ]:
-        with pytest.raises(SystemExit) as exited:
-            main(argv)
-        assert exited.value.code == 2
-        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+    for main, argv, flag in _text_clis(gpt2_files, src, src):
+        assert _usage_error(main, argv, capsys).endswith(
             f"error: {flag} {src} is the input {src}: writing it would replace the input; name another file")
         assert src.read_bytes() == before
 

@@ -15,6 +15,7 @@ from fairseq.data import Dictionary
 from fairseq_megatron.checkpoint.hf_export import require_transformers
 from fairseq_megatron.checkpoint.hf_tokenizer import fairseq_gpt2_tokenizer
 from fairseq_megatron.errors import UsageError
+from tests.support.bpe_text import VARIED
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "examples", "megatron_11b"))
@@ -24,15 +25,7 @@ import make_corpus  # noqa: E402  isort:skip
 
 transformers = require_transformers()
 
-VARIED = [
-    "Hello world! It's 2024; we'll see you're fine, they've said, I'm sure he'd agree.",
-    "naïve café — Zürich 東京 😀 emoji and ÜBER-ümlauts",
-    "numbers 12,345.67 and 3.14159 and 1e-9 and 007",
-    "long    whitespace\t\truns   and trailing spaces   ",
-    "   leading spaces, tabs\tand (brackets) [x] {y} <z> @-@ = = heading = =",
-    "''quoted'' \"double\" `back` ...ellipsis--dash",
-    "",
-]
+LINES = VARIED + [""]  # and a blank line
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +39,7 @@ def gpt2(tmp_path_factory):
     stdlib = make_corpus.sysconfig.get_paths()["stdlib"]
     lines = make_corpus.build_corpus(make_corpus.stdlib_files(stdlib), stdlib, max_bytes=400_000)["train"]
     tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator(lines[::2] + VARIED, vocab_size=700, min_frequency=2, show_progress=False)
+    tok.train_from_iterator(lines[::2] + LINES, vocab_size=700, min_frequency=2, show_progress=False)
     tok.save_model(str(root))
     encoder_json, vocab_bpe = str(root / "vocab.json"), str(root / "merges.txt")
     with open(vocab_bpe) as f:  # GPT-2's vocab.bpe starts with a version line, as tokenizers writes it
@@ -54,7 +47,7 @@ def gpt2(tmp_path_factory):
     ids = sorted(json.load(open(encoder_json)).values(), key=lambda i: (i * 7919) % 1009)
     dict_path = root / "dict.txt"
     dict_path.write_text("".join(f"{i} {1000 - n}\n" for n, i in enumerate(ids)))
-    text = lines + VARIED * 20
+    text = lines + LINES * 20
     assert len(text) > 2000 and text.count("") >= 20
     return {"encoder_json": encoder_json, "vocab_bpe": vocab_bpe, "dict": str(dict_path), "text": text}
 

@@ -1,16 +1,34 @@
-"""Tensor-model-parallel and data-parallel process groups, in one place.
+"""Tensor-, pipeline- and data-parallel process groups, in one place.
 
-The groups themselves are created and owned by
-``fairscale.nn.model_parallel.initialize`` (the layout Megatron-LM uses:
-model-parallel groups are blocks of consecutive ranks, data-parallel groups
-stride across them). This module adds what fairscale leaves out:
+A world of ``W = T x P x D`` ranks is a grid (:class:`ParallelLayout`):
+``T`` tensor-parallel ranks hold the parts of one pipeline stage, ``P``
+pipeline stages hold one whole model, and ``D`` data-parallel copies of
+that model read different batches. Ranks are ordered as Megatron-Core
+orders them (``megatron/core/parallel_state.py``, order "tp-dp-pp"):
+tensor fastest, then data, then pipeline, so global rank
+``r = t + T * (d + D * p)``. At ``P = 1`` this is Megatron-LM's and
+fairscale's layout of 2020: model-parallel groups are blocks of
+consecutive ranks, data-parallel groups stride across them.
 
-* a clear error when the world size is not divisible by the model-parallel
-  size (fairscale silently shrinks the size to the world size);
-* a *single-process* mode: when torch.distributed was never initialised and a
-  layer asks for its group, it gets ``None`` and a world size of 1, so a
-  model-parallel-size-1 model runs in a plain Python process (fairseq does not
-  initialise torch.distributed for single-process runs).
+Groups of this rank:
+
+* tensor-parallel: the ``T`` ranks of one stage of one model copy;
+* pipeline-parallel: the ``P`` ranks holding the same tensor part of each
+  stage of one model copy, stage order;
+* data-parallel: the ``D`` ranks holding the same part of the same stage;
+* model-parallel: the ``T x P`` ranks of one model copy (a checkpoint's
+  part files are written by one such group);
+* embedding: the first and last stage of a pipeline group (one rank when
+  ``P = 1``), over which the tied input/output embedding's gradients are
+  summed (Megatron-LM ``_EMBEDDING_GROUP``).
+
+This module also:
+
+* refuses, in one line, a world size not divisible by ``T x P``;
+* has a *single-process* mode: when torch.distributed was never
+  initialised and a layer asks for its group, it gets ``None`` and a world
+  size of 1, so a size-1 model runs in a plain Python process (fairseq
+  does not initialise torch.distributed for single-process runs).
 
 Layers take the group at construction time (default: :func:`get_tensor_model_parallel_group`)
 and pass it to the communication functions in
@@ -18,10 +36,10 @@ and pass it to the communication functions in
 """
 
 import copy
-from typing import Optional
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch.distributed as dist
-from fairscale.nn.model_parallel import initialize as _fs
 
 from fairseq_megatron.errors import UsageError
 
@@ -32,40 +50,152 @@ class ModelParallelNotInitializedError(RuntimeError):
     """Raised when a model-parallel size > 1 is used before the groups exist."""
 
 
-def initialize_model_parallel(model_parallel_size: int) -> None:
-    """Split the default process group into tensor-model-parallel and data-parallel groups.
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The grid of ``world_size`` ranks: ``tensor`` x ``data`` x ``pipeline``,
+    tensor fastest, pipeline slowest (see the module docstring).
 
-    With world size W and model-parallel size M, ranks ``[k*M, (k+1)*M)`` form
-    model-parallel group k (one model part each), and ranks ``{r, r+M, ...}``
-    form the data-parallel groups (mirrors Megatron-LM's
-    ``mpu.initialize_model_parallel``; see fairscale ``initialize.py``).
+    Raises (on construction):
+        UsageError: a size below 1, or ``world_size`` not divisible by
+            ``tensor x pipeline``.
+    """
+
+    world_size: int
+    tensor: int = 1
+    pipeline: int = 1
+
+    def __post_init__(self):
+        if self.tensor < 1 or self.pipeline < 1:
+            raise UsageError(f"--model-parallel-size {self.tensor} and --pipeline-model-parallel-size "
+                             f"{self.pipeline}: both are at least 1")
+        if self.world_size % (self.tensor * self.pipeline):
+            what = f"--model-parallel-size {self.tensor}"
+            if self.pipeline > 1:
+                what += f" x --pipeline-model-parallel-size {self.pipeline} = {self.tensor * self.pipeline}"
+            raise UsageError(f"world size {self.world_size} is not divisible by {what}")
+
+    @property
+    def data(self) -> int:
+        """The number of model copies, ``world_size / (tensor x pipeline)``."""
+        return self.world_size // (self.tensor * self.pipeline)
+
+    def rank(self, tensor: int, data: int, pipeline: int) -> int:
+        """The global rank at these coordinates."""
+        return tensor + self.tensor * (data + self.data * pipeline)
+
+    def coordinates(self, rank: int) -> Tuple[int, int, int]:
+        """``(tensor, data, pipeline)`` coordinates of global ``rank``."""
+        return rank % self.tensor, rank // self.tensor % self.data, rank // (self.tensor * self.data)
+
+    def tensor_parallel_groups(self) -> List[List[int]]:
+        return [[self.rank(t, d, p) for t in range(self.tensor)]
+                for p in range(self.pipeline) for d in range(self.data)]
+
+    def data_parallel_groups(self) -> List[List[int]]:
+        return [[self.rank(t, d, p) for d in range(self.data)]
+                for p in range(self.pipeline) for t in range(self.tensor)]
+
+    def pipeline_parallel_groups(self) -> List[List[int]]:
+        return [[self.rank(t, d, p) for p in range(self.pipeline)]
+                for d in range(self.data) for t in range(self.tensor)]
+
+    def model_parallel_groups(self) -> List[List[int]]:
+        """One group per model copy: every tensor part of every stage, in rank order."""
+        return [sorted(self.rank(t, d, p) for p in range(self.pipeline) for t in range(self.tensor))
+                for d in range(self.data)]
+
+    def embedding_groups(self) -> List[List[int]]:
+        """First and last stage of each pipeline group (one rank at ``pipeline = 1``)."""
+        return [sorted({group[0], group[-1]}) for group in self.pipeline_parallel_groups()]
+
+
+@dataclass
+class _Groups:
+    layout: ParallelLayout
+    tensor: ProcessGroup
+    pipeline: ProcessGroup
+    data: ProcessGroup
+    model: ProcessGroup
+    embedding: ProcessGroup
+    pipeline_ranks: List[int]  # global ranks of this rank's pipeline group, stage order
+
+
+_groups: Optional[_Groups] = None
+
+
+def initialize_model_parallel(model_parallel_size: int, pipeline_model_parallel_size: int = 1) -> None:
+    """Split the default process group into tensor-, pipeline- and
+    data-parallel groups (and the model-parallel and embedding groups) of
+    :class:`ParallelLayout`; any groups built before are forgotten first.
+
+    Every rank creates every group, in the same order (``dist.new_group``
+    is collective over the whole world). ``model_parallel_size`` is the
+    tensor-parallel size ``T`` (fairseq's ``--model-parallel-size``; fairseq
+    calls this function with it alone). Mirrors Megatron-LM's
+    ``mpu.initialize_model_parallel``.
 
     Raises:
         ModelParallelNotInitializedError: torch.distributed is not initialised.
-        UsageError: ``model_parallel_size`` < 1 or W is not divisible by it.
+        UsageError: a size below 1, or the world size not divisible by ``T x P``.
     """
+    global _groups
     if not dist.is_available() or not dist.is_initialized():
         raise ModelParallelNotInitializedError(
             "torch.distributed is not initialized: launch with torchrun (or "
             "--distributed-world-size) before using --model-parallel-size"
         )
-    world_size = dist.get_world_size()
-    if model_parallel_size < 1 or world_size % model_parallel_size != 0:
-        raise UsageError(
-            f"world size {world_size} is not divisible by --model-parallel-size "
-            f"{model_parallel_size}"
-        )
-    _fs.initialize_model_parallel(model_parallel_size)
+    layout = ParallelLayout(dist.get_world_size(), model_parallel_size, pipeline_model_parallel_size)
+    me = dist.get_rank()
+
+    def mine(groups: List[List[int]]) -> ProcessGroup:
+        found = None
+        for ranks in groups:
+            group = dist.new_group(ranks)
+            if me in ranks:
+                found = group
+        return found
+
+    destroy_model_parallel()
+    pipeline_ranks = next(g for g in layout.pipeline_parallel_groups() if me in g)
+    _groups = _Groups(
+        layout=layout,
+        tensor=mine(layout.tensor_parallel_groups()),
+        pipeline=mine(layout.pipeline_parallel_groups()),
+        data=mine(layout.data_parallel_groups()),
+        model=mine(layout.model_parallel_groups()),
+        embedding=mine(layout.embedding_groups()),
+        pipeline_ranks=pipeline_ranks,
+    )
 
 
 def destroy_model_parallel() -> None:
     """Forget the groups (tests use this to re-initialise in one process)."""
-    _fs.destroy_model_parallel()
+    global _groups
+    _groups = None
 
 
 def model_parallel_is_initialized() -> bool:
     """Whether :func:`initialize_model_parallel` has built the groups (and they were not destroyed)."""
-    return _fs.model_parallel_is_initialized()
+    return _groups is not None
+
+
+def get_parallel_layout() -> ParallelLayout:
+    """The layout of the groups built, or of a single process (all sizes 1)."""
+    if _groups is not None:
+        return _groups.layout
+    return ParallelLayout(world_size(None))
+
+
+def _group(name: str) -> ProcessGroup:
+    if _groups is not None:
+        return getattr(_groups, name)
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    raise ModelParallelNotInitializedError(
+        f"the {name}-parallel group is not initialized: with torch.distributed running, "
+        "call fairseq_megatron.parallel.parallel_state.initialize_model_parallel(N) first "
+        "(fairseq does this when --model-parallel-size > 1)"
+    )
 
 
 def get_tensor_model_parallel_group() -> ProcessGroup:
@@ -76,25 +206,34 @@ def get_tensor_model_parallel_group() -> ProcessGroup:
 
     Raises:
         ModelParallelNotInitializedError: torch.distributed is initialised
-            with more than one rank but the model-parallel groups are not.
+            with more than one rank but the groups are not.
             (With one rank the group of one is returned as ``None``.)
     """
-    if _fs.model_parallel_is_initialized():
-        return _fs.get_model_parallel_group()
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return None
-    raise ModelParallelNotInitializedError(
-        "model parallel group is not initialized: with torch.distributed running, "
-        "call fairseq_megatron.parallel.parallel_state.initialize_model_parallel(N) first "
-        "(fairseq does this when --model-parallel-size > 1)"
-    )
+    return _group("tensor")
+
+
+def get_pipeline_model_parallel_group() -> ProcessGroup:
+    """This rank's pipeline group: the same tensor part of every stage of
+    one model copy (``None`` in a single process). Raises as
+    :func:`get_tensor_model_parallel_group`."""
+    return _group("pipeline")
+
+
+def get_model_parallel_group() -> ProcessGroup:
+    """Every rank of this rank's model copy, ``T x P`` ranks (``None`` in a
+    single process). Raises as :func:`get_tensor_model_parallel_group`."""
+    return _group("model")
+
+
+def get_embedding_group() -> ProcessGroup:
+    """The first and last stage of this rank's pipeline group (``None`` in
+    a single process). Raises as :func:`get_tensor_model_parallel_group`."""
+    return _group("embedding")
 
 
 def get_data_parallel_group() -> ProcessGroup:
     """The data-parallel group of this rank (``None`` = the default group or a single process)."""
-    if _fs.model_parallel_is_initialized():
-        return _fs.get_data_parallel_group()
-    return None
+    return _groups.data if _groups is not None else None
 
 
 def world_size(group: ProcessGroup) -> int:
@@ -112,7 +251,7 @@ def rank(group: ProcessGroup) -> int:
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    """The model-parallel size N (1 in a single process)."""
+    """The tensor-model-parallel size N (1 in a single process)."""
     return world_size(get_tensor_model_parallel_group())
 
 
@@ -122,13 +261,40 @@ def get_tensor_model_parallel_rank() -> int:
 
 
 def get_data_parallel_world_size() -> int:
-    """Number of model copies, world size / N (1 in a single process)."""
+    """Number of model copies, world size / (T x P) (1 in a single process)."""
     return world_size(get_data_parallel_group())
 
 
 def get_data_parallel_rank() -> int:
     """Which model copy this rank belongs to: the data shard it reads."""
     return rank(get_data_parallel_group())
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    """The number of pipeline stages P (1 in a single process or without pipeline groups)."""
+    return _groups.layout.pipeline if _groups is not None else 1
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    """This rank's stage, 0..P-1 (0 in a single process)."""
+    return rank(_groups.pipeline) if _groups is not None else 0
+
+
+def get_pipeline_model_parallel_ranks() -> List[int]:
+    """The global ranks of this rank's pipeline group, in stage order."""
+    if _groups is not None:
+        return list(_groups.pipeline_ranks)
+    return [dist.get_rank() if dist.is_available() and dist.is_initialized() else 0]
+
+
+def is_pipeline_first_stage() -> bool:
+    """Whether this rank holds the first stage (the embeddings)."""
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage() -> bool:
+    """Whether this rank holds the last stage (final layer norm, output projection, loss)."""
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
 
 
 def get_tensor_model_parallel_src_rank() -> int:

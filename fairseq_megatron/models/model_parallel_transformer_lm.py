@@ -36,6 +36,7 @@ from fairseq_megatron.modules import (
 from fairseq_megatron.modules import sharding
 from fairseq_megatron.training.padding import has_padding
 from fairseq_megatron.models.options import (
+    pipeline_stages,
     data_parallel_backend_being_built,
     check_data_parallel_backend,
     check_dictionary_size,
@@ -43,6 +44,7 @@ from fairseq_megatron.models.options import (
     check_processes,
     pad_dictionary,
 )
+from fairseq_megatron.models.pipeline_stage import PipelineStageLayout
 from fairseq_megatron.models.registry import take_over_model, take_over_model_architecture
 
 logger = logging.getLogger(__name__)
@@ -107,6 +109,15 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
                  "--bf16 means TPU). Evaluation and generation are not affected",
         )
         parser.add_argument(
+            "--pipeline-model-parallel-size", type=int, metavar="P", default=1,
+            help="split the decoder layers evenly over P pipeline stages, one per process (with "
+                 "--model-parallel-size T the world size is a multiple of T x P); training runs "
+                 "each update's --update-freq micro-batches through the 1F1B schedule, so it needs "
+                 "--update-freq >= P, --sample-break-mode none and the vocab_parallel_cross_entropy "
+                 "criterion. Checkpoints hold one file per stage and tensor part; evaluation and "
+                 "generation load them at one stage",
+        )
+        parser.add_argument(
             "--padded-vocab-size", type=int, metavar="N",
             help="rows of the vocab-parallel embedding and softmax: the dictionary padded with "
                  "madeupword symbols (default: its size rounded up to a multiple of 8 x the "
@@ -129,9 +140,13 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         If anything else in the build drew from the default generator
         (fairseq's ``--decoder-learned-pos`` embedding), the deferred draws
         would come out of order, so the model is built again as usual."""
-        if dist.is_initialized() and not parallel_state.model_parallel_is_initialized():
-            # data parallelism alone (fairseq creates no model-parallel groups at size 1): groups of one
-            parallel_state.initialize_model_parallel(1)
+        stages = pipeline_stages(args)
+        if dist.is_initialized() and (not parallel_state.model_parallel_is_initialized()
+                                      or parallel_state.get_pipeline_model_parallel_world_size() != stages):
+            # fairseq creates tensor-parallel groups only (none at size 1): the pipeline's groups are made here
+            parallel_state.initialize_model_parallel(parallel_state.get_tensor_model_parallel_world_size()
+                                                     if parallel_state.model_parallel_is_initialized() else 1,
+                                                     stages)
         from fairseq_megatron.fairseq_integration.patching import fairseq_tool
 
         # our language_modeling task says so for any load of a checkpoint; fairseq-train, with any task,
@@ -153,7 +168,7 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         group_size = parallel_state.get_tensor_model_parallel_world_size()
         wanted = safe_getattr(args, "model_parallel_size", None)
         wanted = 1 if wanted is None else int(wanted)
-        check_processes(wanted, parallel_state.world_size(None))
+        check_processes(wanted, parallel_state.world_size(None), pipeline_stages(args))
         if wanted != group_size:
             raise UsageError(
                 f"the model is configured for model-parallel size {wanted} but this run's "
@@ -180,7 +195,9 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         if pad_dictionary(task.target_dictionary, group_size, args.padded_vocab_size) != args.padded_vocab_size:
             raise ValueError("source and target dictionaries differ in size")
 
-        embed_tokens = cls.build_embedding(args, task.source_dictionary, args.decoder_input_dim)
+        stage = PipelineStageLayout.of(args)
+        with contextlib.nullcontext() if stage.holds_embedding else sharding.draws_discarded():
+            embed_tokens = cls.build_embedding(args, task.source_dictionary, args.decoder_input_dim)
         decoder = ModelParallelTransformerDecoder(args, task.target_dictionary, embed_tokens)
         return cls(decoder)
 
@@ -241,9 +258,33 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
         self.cuda_graphs = bool(safe_getattr(args, "cuda_graphs", False))
         self.offload_activations = bool(safe_getattr(args, "offload_activations", False))
         self._compiled_layer_stack = None
+        self.pipeline_stage = PipelineStageLayout.of(args)
+        self._layers_built = 0
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=True)
+        self._keep_this_stage_only()
         if self.compile_layer_stack:
             self.compile_run_layers()
+
+    def _keep_this_stage_only(self) -> None:
+        """Drop the modules of the other pipeline stages (built, see
+        :meth:`build_decoder_layer`, only to keep the generator's sequence)."""
+        stage = self.pipeline_stage
+        if stage.stages == 1:
+            return
+        if not stage.holds_embedding:
+            self.embed_tokens = None
+        if not stage.is_first:
+            self.embed_positions = None
+            self.layernorm_embedding = None
+        if not stage.is_last:
+            self.layer_norm = None
+            self.output_projection = None
+
+    @property
+    def stage_layers(self):
+        """The decoder layers this pipeline stage holds (all of them at one stage), in order."""
+        r = self.pipeline_stage.layer_range
+        return self.layers[r.start:r.stop]
 
     def compile_run_layers(self, backend: str = "inductor") -> None:
         """Make training passes run :meth:`run_layers` through ``torch.compile``
@@ -318,11 +359,24 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
         version_key = f"{name}.version"  # fairseq's key (the model names its decoder "decoder")
         if version_key not in state_dict and f"{name}.layer_norm.weight" in state_dict:
             state_dict[version_key] = self.version.detach().clone()
-        return super().upgrade_state_dict_named(state_dict, name)
+        result = super().upgrade_state_dict_named(state_dict, name)
+        if self.output_projection is None:  # fairseq added the tied projection's key (a stage before the last)
+            state_dict.pop(f"{name}.output_projection.weight", None)
+        return result
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
+        """Layer ``k`` (the k-th call) of the decoder; a layer of another
+        pipeline stage is built with its draws discarded
+        (:func:`~fairseq_megatron.modules.sharding.draws_discarded`) and
+        replaced by a :class:`LayerOnAnotherStage`, so that the layers of
+        this stage get the weights they have in a one-stage model."""
+        index, self._layers_built = self._layers_built, self._layers_built + 1
         if not isinstance(cfg, TransformerConfig):
             cfg = TransformerConfig.from_namespace(cfg)
+        if index not in self.pipeline_stage.layer_range:
+            with sharding.draws_discarded():
+                ModelParallelTransformerDecoderLayer(cfg, group=self.tensor_model_parallel_group)
+            return LayerOnAnotherStage(index, self.pipeline_stage)
         layer = ModelParallelTransformerDecoderLayer(cfg, group=self.tensor_model_parallel_group)
         if self.compile_layers and not self.compile_layer_stack:
             layer = compile_for_training(layer)
@@ -331,6 +385,11 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
         return layer
 
     def build_output_projection(self, cfg, dictionary, embed_tokens):
+        stage = self.pipeline_stage
+        with contextlib.nullcontext() if stage.is_last else sharding.draws_discarded():
+            self._build_output_projection(cfg, dictionary, embed_tokens)
+
+    def _build_output_projection(self, cfg, dictionary, embed_tokens):
         if self.share_input_output_embed:
             # nn.Linear whose weight *is* the embedding shard, (V / N, C): keeps
             # fairseq's key decoder.output_projection.weight, tied as in fairseq.
@@ -381,6 +440,22 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
         """
         if encoder_out is not None:
             raise NotImplementedError("ModelParallelTransformerDecoder is decoder-only")
+        if self.pipeline_stage.stages > 1:
+            raise RuntimeError(f"this decoder is pipeline stage {self.pipeline_stage.stage} of "
+                               f"{self.pipeline_stage.stages}: its passes run through the pipeline schedule "
+                               f"(forward_stage); evaluation loads the checkpoint at one stage")
+        x, self_attn_padding_mask = self.embed(prev_output_tokens, incremental_state)
+        self_attn_mask = None
+        if incremental_state is None and not full_context_alignment:
+            self_attn_mask = self.buffered_future_mask(x)  # (T, T), from the full length
+        x, inner_states = self.run_layers_of_this_stage(x, self_attn_mask, self_attn_padding_mask, incremental_state)
+        return self.final_layer_norm(x), {"attn": [None], "inner_states": inner_states}
+
+    def embed(self, prev_output_tokens, incremental_state=None):
+        """Tokens ``(B, T)`` -> the first layer's input ``(T, B, C)`` (scaled
+        token embeddings plus positions, dropout applied) and the key padding
+        mask ``(B, T)`` (None where the batch holds no padding). With an
+        incremental state, the last position only (``T = 1``)."""
         positions = None
         if self.embed_positions is not None:
             positions = self.embed_positions(prev_output_tokens, incremental_state=incremental_state)
@@ -397,15 +472,17 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
         if self.layernorm_embedding is not None:
             x = self.layernorm_embedding(x)
         x = self.dropout_module(x)
-        x = x.transpose(0, 1)  # (T, B, C)
-
-        self_attn_padding_mask = None
+        padding_mask = None
         if has_padding(prev_output_tokens, self.padding_idx):  # read on the host when fairseq-train marked it
-            self_attn_padding_mask = prev_output_tokens.eq(self.padding_idx)
-        self_attn_mask = None
-        if incremental_state is None and not full_context_alignment:
-            self_attn_mask = self.buffered_future_mask(x)  # (T, T), from the full length
+            padding_mask = prev_output_tokens.eq(self.padding_idx)
+        return x.transpose(0, 1), padding_mask
 
+    def run_layers_of_this_stage(self, x, self_attn_mask, self_attn_padding_mask, incremental_state=None):
+        """This stage's layers on ``x`` ``(T, B, C)`` -> ``(x, inner_states)``,
+        with sequence parallelism around them where it applies: ``x`` is split
+        to ``(T / N, B, C)`` before the first layer and gathered after the
+        last (a training pass through the compiled layer stack keeps only the
+        last output in ``inner_states``)."""
         group = self.tensor_model_parallel_group
         sequence_parallel = self._use_sequence_parallel(x, incremental_state)
         if sequence_parallel:
@@ -418,13 +495,34 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
                                               sequence_parallel)
         if sequence_parallel:
             x = gather_from_sequence_parallel_region(x, group, to_tensor_parallel_region=False)
+        return x, inner_states
 
+    def final_layer_norm(self, x):
+        """The last layer's output ``(T, B, C)`` -> features ``(B, T, C)``."""
         if self.layer_norm is not None:
             x = self.layer_norm(x)
-        x = x.transpose(0, 1)  # (B, T, C)
+        x = x.transpose(0, 1)
         if self.project_out_dim is not None:
             x = self.project_out_dim(x)
-        return x, {"attn": [None], "inner_states": inner_states}
+        return x
+
+    def forward_stage(self, x):
+        """This pipeline stage's share of a training or validation pass, as
+        torch's pipeline schedule calls it: the first stage takes tokens
+        ``(B, T)``, the others the previous stage's output ``(T, B, C)``; the
+        last returns this tensor rank's logits ``(B, T, V / N)``, the others
+        ``(T, B, C)``. No key padding mask: the micro-batches are full
+        blocks, padded only at their ends (fairseq's right padding), and the
+        causal mask already keeps every real position from attending to
+        them; their targets are padding, which the loss ignores."""
+        stage = self.pipeline_stage
+        with self._training_autocast(x.device):
+            if stage.is_first:
+                x, _ = self.embed(x)
+            x, _ = self.run_layers_of_this_stage(x, self.buffered_future_mask(x), None)
+            if stage.is_last:
+                return self.output_layer(self.final_layer_norm(x), gather_logits=False)
+        return x.contiguous()  # sent to the next stage as it is laid out
 
     def run_layers(self, x, self_attn_mask, self_attn_padding_mask, incremental_state, sequence_parallel: bool):
         """Every decoder layer in turn: ``x`` ``(T, B, C)`` (or the ``(T / N, B, C)``
@@ -436,7 +534,7 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
         host memory, and a list of them would hold them on the device."""
         keep_inner_states = not (self.offload_activations and torch.is_grad_enabled())
         inner_states = [x] if keep_inner_states else []
-        for layer in self.layers:
+        for layer in self.stage_layers:
             x, _, _ = layer(
                 x, None, None, incremental_state,
                 self_attn_mask=self_attn_mask,
@@ -497,7 +595,7 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
         """bf16 autocast for ``--bf16-autocast`` training passes; a no-op
         otherwise, and for weights that are not fp32 (``--fp16`` already made
         them half precision)."""
-        if self.bf16_autocast and self.training and self.embed_tokens.weight.dtype == torch.float32:
+        if self.bf16_autocast and self.training and self.version.dtype == torch.float32:
             return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -541,3 +639,20 @@ def is_model_parallel_arch(name) -> bool:
     of :class:`ModelParallelTransformerLanguageModel`."""
     return isinstance(name, str) and issubclass(
         ARCH_MODEL_REGISTRY.get(name, type(None)), ModelParallelTransformerLanguageModel)
+
+
+class LayerOnAnotherStage(nn.Module):
+    """The place of a decoder layer that another pipeline stage holds: no
+    parameters, and a clear error if called."""
+
+    def __init__(self, index: int, stage: PipelineStageLayout):
+        super().__init__()
+        self.index, self.stage = index, stage
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"decoder layer {self.index} is on another pipeline stage (this is stage "
+                           f"{self.stage.stage} of {self.stage.stages}, layers {self.stage.layer_range.start}-"
+                           f"{self.stage.layer_range.stop - 1})")
+
+    def extra_repr(self) -> str:
+        return f"layer {self.index}"

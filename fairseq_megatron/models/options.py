@@ -99,27 +99,33 @@ def pad_dictionary(dictionary, model_parallel_size: int, padded_vocab_size: Opti
     return len(dictionary)
 
 
-def check_processes(model_parallel_size: int, processes: int) -> None:
-    """Refuse ``model_parallel_size`` model parts in one process.
+def check_processes(model_parallel_size: int, processes: int, pipeline_stages: int = 1) -> None:
+    """Refuse ``model_parallel_size`` model parts (times ``pipeline_stages``
+    stages) in one process.
 
     ``processes`` is the run's world size (1 when torch.distributed is not
-    initialised: no launcher). A world size that ``model_parallel_size``
-    does not divide is refused where the groups are made
+    initialised: no launcher). A world size that ``model_parallel_size x
+    pipeline_stages`` does not divide is refused where the groups are made
     (:func:`fairseq_megatron.parallel.parallel_state.initialize_model_parallel`).
 
     Raises:
         UsageError: ``model_parallel_size`` < 1 (fairseq ran 0 or a negative
             size as size 1, or failed later on a group size that differs), or
-            > 1 and ``processes`` == 1.
+            more than one part or stage and ``processes`` == 1.
     """
     if model_parallel_size < 1:
         raise UsageError(f"--model-parallel-size {model_parallel_size}: the number of model parts is at least 1")
-    if model_parallel_size > 1 and processes == 1:
+    needed = model_parallel_size * max(pipeline_stages, 1)
+    if needed > 1 and processes == 1:
+        what = f"--model-parallel-size {model_parallel_size}"
+        one_per = "model part"
+        if pipeline_stages > 1:
+            what = f"{what} x --pipeline-model-parallel-size {pipeline_stages}"
+            one_per = "model part of each pipeline stage"
         raise UsageError(
-            f"--model-parallel-size {model_parallel_size} needs {model_parallel_size} processes, one per model "
-            f"part, and this run is one process: launch it with torchrun --nproc_per_node {model_parallel_size} "
-            f"(or give fairseq --distributed-world-size {model_parallel_size} on a machine with "
-            f"{model_parallel_size} GPUs)"
+            f"{what} needs {needed} processes, one per {one_per}, and this run is one process: launch it "
+            f"with torchrun --nproc_per_node {needed} (or give fairseq --distributed-world-size {needed} on "
+            f"a machine with {needed} GPUs)"
         )
 
 
@@ -148,6 +154,24 @@ def check_data_parallel_backend(ddp_backend: str, model_parallel_size: int, cpu:
                          f"ranks); {others}")
     if cpu or not torch.cuda.is_available():
         raise UsageError(f"--ddp-backend fully_sharded needs CUDA GPUs (fairscale's FSDP); on CPU {others}")
+
+
+def check_pipeline_data_parallel_backend(ddp_backend: str, stages: int, data_parallel_size: int) -> None:
+    """Refuse a data-parallel wrapper that cannot wrap a pipeline stage.
+
+    torch's pipeline schedule calls the stage's module itself, not the
+    wrapper, so torch's DDP (``pytorch_ddp``, ``c10d``) would never reduce
+    the gradients; fairseq's ``legacy_ddp`` (``no_c10d``) all-reduces them
+    once after the backward pass, when the trainer asks, and works.
+
+    Raises:
+        UsageError: pipeline stages, more than one model copy, and a
+            backend other than ``legacy_ddp``/``no_c10d``.
+    """
+    if stages > 1 and data_parallel_size > 1 and ddp_backend not in ("legacy_ddp", "no_c10d"):
+        raise UsageError(f"--ddp-backend {ddp_backend} with --pipeline-model-parallel-size {stages} and "
+                         f"{data_parallel_size} model copies: the pipeline schedule runs each stage outside "
+                         f"torch's DDP; use --ddp-backend legacy_ddp")
 
 
 def check_training_precision(common) -> None:
@@ -229,6 +253,7 @@ def check_options(args, model_parallel_size: int) -> None:
             f"--cuda-graphs with --update-freq {accumulated}: a CUDA graph replay would overwrite "
             "the gradients being accumulated; use --update-freq 1 (a larger --batch-size instead)"
         )
+    check_pipeline_options(args)
     embed_dim = args.decoder_embed_dim
     given = [f"--{flag.replace('_', '-')}" for flag in ("scale_attn", "scale_fc", "scale_heads", "scale_resids")
              if safe_getattr(args, flag, False)]
@@ -246,3 +271,56 @@ def check_options(args, model_parallel_size: int) -> None:
         raise NotImplementedError(
             "character embeddings, adaptive input and adaptive softmax are not model parallel"
         )
+
+
+def pipeline_stages(args) -> int:
+    """``--pipeline-model-parallel-size`` of ``args`` (1 where not given)."""
+    stages = safe_getattr(args, "pipeline_model_parallel_size", None)
+    return 1 if stages is None else int(stages)
+
+
+def check_pipeline_options(args) -> None:
+    """Refuse a pipeline that cannot be built or scheduled, from the options alone.
+
+    The decoder layers are split evenly over the stages; one update's
+    micro-batches (``--update-freq``) go through torch's 1F1B schedule,
+    which needs at least one per stage; every micro-batch must have the
+    shape the stages' buffers were made for, which only fairseq's
+    ``--sample-break-mode none`` gives (full blocks of
+    ``--tokens-per-sample``); the last stage computes the loss on its
+    vocabulary shard, so the criterion is ``vocab_parallel_cross_entropy``.
+    The training options are checked only where ``args`` holds them (a
+    command line of fairseq-train; a checkpoint's config loaded for
+    evaluation has one stage).
+
+    Raises:
+        UsageError: the first refusal, naming the option to change.
+    """
+    stages = pipeline_stages(args)
+    if stages < 1:
+        raise UsageError(f"--pipeline-model-parallel-size {stages}: the number of pipeline stages is at least 1")
+    if stages == 1:
+        return
+    layers = int(args.decoder_layers)
+    if layers % stages:
+        raise UsageError(f"--decoder-layers {layers} is not divisible by --pipeline-model-parallel-size {stages} "
+                         f"(each stage holds the same number of layers)")
+    micro_batches = safe_getattr(args, "update_freq", None)
+    if micro_batches is not None and max(micro_batches) < stages:
+        raise UsageError(f"--update-freq {max(micro_batches)} is below --pipeline-model-parallel-size {stages}: "
+                         f"the 1F1B schedule runs the update's --update-freq micro-batches and needs at least "
+                         f"one per stage")
+    break_mode = safe_getattr(args, "sample_break_mode", None)
+    if break_mode is not None and break_mode != "none":
+        raise UsageError(f"--sample-break-mode {break_mode} with --pipeline-model-parallel-size {stages}: the "
+                         f"stages exchange micro-batches of one shape; use --sample-break-mode none")
+    criterion = safe_getattr(args, "criterion", None)
+    if criterion is not None and criterion != "vocab_parallel_cross_entropy":
+        raise UsageError(f"--criterion {criterion} with --pipeline-model-parallel-size {stages}: the last stage "
+                         f"computes the loss on its vocabulary shard; use --criterion vocab_parallel_cross_entropy")
+    unsupported = [f"--{flag.replace('_', '-')}" for flag in ("amp", "cuda_graphs")
+                   if safe_getattr(args, flag, False)]
+    if safe_getattr(args, "decoder_layerdrop", 0):
+        unsupported.append(f"--decoder-layerdrop {args.decoder_layerdrop}")
+    if unsupported:
+        raise UsageError(f"{' '.join(unsupported)}: not supported with --pipeline-model-parallel-size {stages}")

@@ -80,6 +80,7 @@ class DeferredInitialisation:
 
 
 _deferred: Optional[DeferredInitialisation] = None
+_discarding = False
 
 
 @contextlib.contextmanager
@@ -109,6 +110,23 @@ def draw_later(draw: Callable[[], object]) -> bool:
     return _deferred is not None
 
 
+@contextlib.contextmanager
+def draws_discarded() -> Iterator[None]:
+    """Within this context :func:`init_shard_` draws each master tensor and
+    throws it away (or, deferred, queues a draw that keeps no reference to
+    the shard), leaving the shard uninitialised. A pipeline stage builds the
+    modules of the other stages this way, so that the default generator
+    reaches each of its own layers where a one-stage build would: the stage
+    gets bitwise the weights the same layers have at
+    ``--pipeline-model-parallel-size 1``."""
+    global _discarding
+    previous, _discarding = _discarding, True
+    try:
+        yield
+    finally:
+        _discarding = previous
+
+
 def init_shard_(
     shard: torch.Tensor,
     full_shape,
@@ -120,11 +138,15 @@ def init_shard_(
     """Fill ``shard`` with this rank's slice of a master tensor of ``full_shape``
     initialised by ``init_method`` (in fp32 on the CPU, then cast); with NaN
     within :func:`initialisation_deferred` until its queue runs."""
-    def draw() -> None:
-        full = torch.empty(full_shape, dtype=torch.float32)
-        init_method(full)
-        with torch.no_grad():
-            shard.copy_(shard_of(full, dim, rank, world_size))
+    if _discarding:  # the same draw, holding no reference to the shard
+        def draw() -> None:
+            init_method(torch.empty(full_shape, dtype=torch.float32))
+    else:
+        def draw() -> None:
+            full = torch.empty(full_shape, dtype=torch.float32)
+            init_method(full)
+            with torch.no_grad():
+                shard.copy_(shard_of(full, dim, rank, world_size))
 
     if draw_later(draw):
         with torch.no_grad():

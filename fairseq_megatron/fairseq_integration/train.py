@@ -51,8 +51,10 @@ def main(cfg, **kwargs):
     from fairseq_megatron.models.model_parallel_transformer_lm import is_model_parallel_arch
     from fairseq_megatron.models.options import (
         check_data_parallel_backend,
+        check_pipeline_data_parallel_backend,
         check_processes,
         check_training_precision,
+        pipeline_stages,
     )
     from fairseq_megatron.parallel import parallel_state
 
@@ -66,9 +68,11 @@ def main(cfg, **kwargs):
     if not is_model_parallel_arch(arch):
         return run(cfg, **kwargs)
     check_directory_can_be_made(cfg.checkpoint.save_dir, f"--save-dir {cfg.checkpoint.save_dir}")
-    size = cfg.common.model_parallel_size
-    check_processes(size, parallel_state.world_size(None))
+    size, stages, world = cfg.common.model_parallel_size, pipeline_stages(cfg.model), parallel_state.world_size(None)
+    check_processes(size, world, stages)
+    parallel_state.ParallelLayout(world, size, stages)  # a world size that T x P does not divide
     check_data_parallel_backend(cfg.distributed_training.ddp_backend, size, cfg.common.cpu)
+    check_pipeline_data_parallel_backend(cfg.distributed_training.ddp_backend, stages, world // (size * stages))
     check_training_precision(cfg.common)
     # fairseq's main makes --save-dir on the master rank only
     made = directories_missing(cfg.checkpoint.save_dir) if distributed_utils.is_master(

@@ -48,6 +48,7 @@ import contextlib
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from typing import Optional
@@ -56,12 +57,14 @@ import torch
 from fairseq.logging import metrics
 from fairseq.trainer import Trainer
 
-from fairseq_megatron.checkpoint.part_files import is_write_failure, write_error
+from fairseq_megatron.checkpoint.part_files import is_write_failure, stage_suffix, write_error
+from fairseq_megatron.errors import UsageError
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.parallel.grad_norm import model_parallel_norm_aggregator
 from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
 from fairseq_megatron.training.fused_adam import FairseqFusedAdam, fused_adam_applies
 from fairseq_megatron.training.padding import mark_padding
+from fairseq_megatron.training.pipeline_schedule import PipelineSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -188,8 +191,41 @@ class MegatronTrainer(Trainer):
     def __init__(self, cfg, task, model, criterion, quantizer=None):
         if cfg.ema.store_ema:  # fairseq's EMA copies the model in the constructor, before any load
             model.run_deferred_initialisation()
+        # before fairseq's constructor, which reads the data-parallel size
+        self.pipeline = _pipeline_schedule(cfg, task, model) if model.decoder.pipeline_stage.stages > 1 else None
         super().__init__(cfg, task, model, criterion, quantizer)
         _stop_prefetch_threads_at_exit()
+
+    # ------------------------------------------------------------ groups
+
+    @property
+    def data_parallel_world_size(self):
+        """fairseq's, except with pipeline stages: fairseq knows only the
+        tensor-parallel size, and took the other stages for model copies."""
+        if self.pipeline is None:
+            return super().data_parallel_world_size
+        return parallel_state.get_data_parallel_world_size()
+
+    @property
+    def data_parallel_process_group(self):
+        if self.pipeline is None:
+            return super().data_parallel_process_group
+        return parallel_state.get_data_parallel_group()
+
+    @property
+    def data_parallel_rank(self):
+        if self.pipeline is None:
+            return super().data_parallel_rank
+        return parallel_state.get_data_parallel_rank()
+
+    @property
+    def checkpoint_suffix(self) -> str:
+        """fairseq's (``-model_part-K`` at model-parallel size > 1), and with
+        pipeline stages ``-model_part-K-stage-S``."""
+        if self.pipeline is None:
+            return super().checkpoint_suffix
+        base = re.sub(r"-model_part-\d+$", "", self.cfg.checkpoint.checkpoint_suffix or "")
+        return base + stage_suffix(parallel_state.get_tensor_model_parallel_rank(), self.pipeline.stage.stage)
 
     # ------------------------------------------------------------ wrapping
 
@@ -242,6 +278,21 @@ class MegatronTrainer(Trainer):
             mark_padding(moved, pad, holds_padding)
         return sample, is_dummy
 
+    def train_step(self, samples, raise_oom=False):
+        """fairseq's; with pipeline stages the update's samples go to the
+        schedule as one batch of micro-batches (:mod:`fairseq_megatron.training.pipeline_schedule`)."""
+        if self.pipeline is None:
+            return super().train_step(samples, raise_oom)
+        with self.pipeline.steps_of(self.task):
+            return super().train_step([self.pipeline.micro_batches_of(samples)], raise_oom)
+
+    def valid_step(self, sample, raise_oom=False):
+        """fairseq's; with pipeline stages through the schedule's forward-only path."""
+        if self.pipeline is None:
+            return super().valid_step(sample, raise_oom)
+        with self.pipeline.steps_of(self.task):
+            return super().valid_step(sample, raise_oom)
+
     def clip_grad_norm(self, clip_norm):
         """The norm of the whole model, replicated parameters counted once.
 
@@ -253,7 +304,8 @@ class MegatronTrainer(Trainer):
             FloatingPointError: the last update was skipped for a non-finite
                 norm (fairseq raised before that update; here one later).
         """
-        aggregate = model_parallel_norm_aggregator(self.model, parallel_state.get_tensor_model_parallel_group())
+        aggregate = model_parallel_norm_aggregator(self.model, parallel_state.get_tensor_model_parallel_group(),
+                                                   **self._pipeline_norm_options())
         fused = self.optimizer._optimizer if isinstance(self.optimizer, FairseqFusedAdam) else None
         if fused is None:
             return self.optimizer.clip_grad_norm(clip_norm, aggregate_norm_fn=aggregate)
@@ -263,6 +315,15 @@ class MegatronTrainer(Trainer):
         grad_norm = self.optimizer.clip_grad_norm(clip_norm, aggregate_norm_fn=aggregate)
         fused.skip_step_if_nonfinite(grad_norm)
         return grad_norm.as_subclass(_NormCheckedOnTheDevice)
+
+    def _pipeline_norm_options(self) -> dict:
+        """The norm's options with pipeline stages: summed over the whole
+        model copy, the last stage's copy of a tied embedding left out."""
+        if self.pipeline is None:
+            return {}
+        decoder = self.get_model().decoder
+        copies = [decoder.embed_tokens.weight] if decoder.pipeline_stage.holds_embedding_copy else []
+        return {"reduce_group": parallel_state.get_model_parallel_group(), "counted_elsewhere": copies}
 
     def _reduce_and_log_stats(self, logging_outputs, sample_size, grad_norm=None):
         """fairseq's meters, without its two device reads per step: a
@@ -381,6 +442,24 @@ def _continue_the_epoch(extra_state: Optional[dict], groups: int) -> None:
         "resuming at %d data-parallel groups (saved at %d): epoch %d goes on after its first %d batches%s",
         groups, saved, position["epoch"], taken,
         f" ({again} of them trained once more: {taken} is not divisible by {groups})" if again else "")
+
+
+def _pipeline_schedule(cfg, task, model) -> PipelineSchedule:
+    """The schedule of this rank's stage: ``--update-freq`` micro-batches of
+    ``--batch-size`` (or ``--max-tokens / --tokens-per-sample``) rows of
+    ``--tokens-per-sample`` tokens.
+
+    Raises:
+        UsageError: neither ``--batch-size`` nor ``--max-tokens``; fewer
+            micro-batches than stages.
+    """
+    length = cfg.task.tokens_per_sample
+    rows = cfg.dataset.batch_size or (cfg.dataset.max_tokens or 0) // length
+    if rows < 1:
+        raise UsageError(f"--pipeline-model-parallel-size needs --batch-size, or --max-tokens of at least "
+                         f"--tokens-per-sample {length}: they set the micro-batch shape")
+    return PipelineSchedule(model, cfg.optimization.update_freq[0], rows, length,
+                            task.source_dictionary.pad())
 
 
 def _prefetch_threads():

@@ -49,44 +49,59 @@ def _is_replicated(name: str) -> bool:
     return partition_dim(name) is None
 
 
-def split_grads(named_parameters: Iterable[Tuple[str, nn.Parameter]]):
-    """``(sharded, replicated)`` lists of this rank's gradients, by the
-    checkpoint layout's rule for each parameter name (a ``module.`` prefix of
-    a wrapper does not matter). Parameters without a gradient are skipped."""
-    sharded, replicated = [], []
+def split_grads(named_parameters: Iterable[Tuple[str, nn.Parameter]], counted_elsewhere: Iterable = ()):
+    """``(sharded, replicated, elsewhere)`` lists of this rank's gradients,
+    by the checkpoint layout's rule for each parameter name (a ``module.``
+    prefix of a wrapper does not matter); ``elsewhere``: those of the
+    parameters in ``counted_elsewhere`` (another rank counts them).
+    Parameters without a gradient are skipped."""
+    excluded = {id(p) for p in counted_elsewhere}
+    sharded, replicated, elsewhere = [], [], []
     for name, p in named_parameters:
-        if p.grad is not None:
+        if p.grad is None:
+            continue
+        if id(p) in excluded:
+            elsewhere.append(p.grad)
+        else:
             (replicated if _is_replicated(name) else sharded).append(p.grad)
-    return sharded, replicated
+    return sharded, replicated, elsewhere
 
 
-def model_parallel_norm_aggregator(model: nn.Module, group=None) -> Callable[[torch.Tensor], torch.Tensor]:
+def model_parallel_norm_aggregator(model: nn.Module, group=None, reduce_group=None,
+                                   counted_elsewhere: Iterable = ()) -> Callable[[torch.Tensor], torch.Tensor]:
     """An ``aggregate_norm_fn`` for fairseq's ``optimizer.clip_grad_norm``.
 
     Call it after the backward pass (it reads ``model``'s gradients). The
     returned function maps this rank's local norm ``L`` (0-dim tensor, any
     float dtype; ``L = c * ||local p.grad||`` for a scalar ``c``) to the norm
-    of the whole model over the tensor-model-parallel ``group`` (default: the
-    current one), in the same units as ``L``:
-    ``sqrt(sum over ranks of L^2 * (S + R / N) / (S + R))``, with ``S`` and
-    ``R`` this rank's squared norms of sharded and replicated gradients and
-    ``N`` the group size. Returns fp32.
+    of the whole model, in the same units as ``L``:
+    ``sqrt(sum over ranks of L^2 * (S + R / N) / (S + R + E))``, with ``S``,
+    ``R`` and ``E`` this rank's squared norms of sharded, replicated and
+    ``counted_elsewhere`` gradients and ``N`` the size of the
+    tensor-model-parallel ``group`` (default: the current one). The sum runs
+    over ``reduce_group`` (default: ``group``): with pipeline stages, every
+    rank of the model copy, each stage's parameters counted on their stage
+    and the last stage's copy of a tied embedding (``counted_elsewhere``)
+    counted on the first. Returns fp32.
 
     Non-finite gradients (fp16 overflow) leave ``L^2`` unscaled, so an
     overflow still shows as an infinite or NaN norm; all-zero gradients give 0.
     """
     group = parallel_state.resolve_group(group)
+    reduce_group = group if reduce_group is None else reduce_group
     n = parallel_state.world_size(group)
-    sharded, replicated = split_grads(model.named_parameters())
+    sharded, replicated, elsewhere = split_grads(model.named_parameters(), counted_elsewhere)
 
     def aggregate(local_norm: torch.Tensor) -> torch.Tensor:
         total = local_norm.float().square()
-        if n > 1:
+        if n > 1 or elsewhere:
             s = _squared_norm(sharded, total.device)
             r = _squared_norm(replicated, total.device)
-            share = (s + r / n) / (s + r)
+            e = _squared_norm(elsewhere, total.device)
+            share = (s + r / n) / (s + r + e)
             total = total * torch.where(torch.isfinite(share), share, torch.ones_like(share))
-            dist.all_reduce(total, group=group)
+        if parallel_state.world_size(reduce_group) > 1:
+            dist.all_reduce(total, group=reduce_group)
         return total.sqrt()
 
     return aggregate

@@ -2,9 +2,12 @@
 
 fairseq names rank K's part of ``NAME.pt`` ``NAME-model_part-K.pt``
 (``checkpoint_utils``: ``filename.replace(".pt", suffix + ".pt")``); size 1
-is ``NAME.pt`` itself. This module finds the parts of a checkpoint saved at
-any size, checks that none is missing or cut short, and names the outputs
-of a resharding.
+is ``NAME.pt`` itself. With pipeline stages each tensor part is one file per
+stage, ``NAME-model_part-K-stage-S.pt`` (at every tensor-parallel size, 1
+included); the stage-0 file then stands for part K in the lists below, and
+:func:`stage_files` gives all of its stages. This module finds the parts of
+a checkpoint saved at any size, checks that none is missing or cut short,
+and names the outputs of a resharding.
 """
 
 import errno
@@ -22,6 +25,7 @@ from fairseq_megatron.checkpoint.layout import CheckpointError
 from fairseq_megatron.errors import check_directory_can_be_made
 
 PART_SUFFIX = "-model_part-{}"
+STAGE_SUFFIX = "-stage-{}"
 # Set to 1 to skip the CRC-32 check of every checkpoint file read (its cost: docs/benchmarks.md).
 SKIP_INTEGRITY_CHECK = "FAIRSEQ_MEGATRON_SKIP_INTEGRITY_CHECK"
 
@@ -35,17 +39,85 @@ def part_path(path: str, rank: int) -> str:
     return path[: -len(".pt")] + PART_SUFFIX.format(rank) + ".pt"
 
 
+def stage_suffix(rank: int, stage: int) -> str:
+    """The suffix of tensor part ``rank`` of pipeline stage ``stage``: ``-model_part-{rank}-stage-{stage}``."""
+    return PART_SUFFIX.format(rank) + STAGE_SUFFIX.format(stage)
+
+
+def stage_path(path: str, rank: int, stage: int) -> str:
+    """``model.pt`` -> ``model-model_part-{rank}-stage-{stage}.pt``."""
+    if not path.endswith(".pt"):
+        raise CheckpointError(f"checkpoint path must end in .pt: {path}")
+    return path[: -len(".pt")] + stage_suffix(rank, stage) + ".pt"
+
+
+_PART_NAME = re.compile(r"(.*)" + re.escape(PART_SUFFIX.format("")) + r"(\d+)(?:" +
+                        re.escape(STAGE_SUFFIX.format("")) + r"(\d+))?\.pt")
+
+
 def checkpoint_of_part(path: str) -> Optional[str]:
     """The checkpoint name that part file ``path`` belongs to
-    (``model-model_part-3.pt`` -> ``model.pt``), or None for a name without
-    the part suffix."""
-    m = re.fullmatch(r"(.*)" + re.escape(PART_SUFFIX.format("")) + r"\d+\.pt", path)
+    (``model-model_part-3.pt`` and ``model-model_part-3-stage-1.pt`` ->
+    ``model.pt``), or None for a name without the part suffix."""
+    m = _PART_NAME.fullmatch(path)
     return m.group(1) + ".pt" if m else None
 
 
-def output_paths(path: str, num_parts: int) -> List[str]:
-    """Where a checkpoint of ``num_parts`` parts named ``path`` lives (``path`` itself for 1)."""
+def is_first_file(path: str) -> bool:
+    """Whether ``path`` is part 0 (of stage 0) of its checkpoint: the file
+    whose removal takes the checkpoint's manifest with it."""
+    m = _PART_NAME.fullmatch(path)
+    return bool(m) and int(m.group(2)) == 0 and int(m.group(3) or 0) == 0
+
+
+def output_paths(path: str, num_parts: int, stages: int = 1) -> List[str]:
+    """Where a checkpoint of ``num_parts`` tensor parts and ``stages``
+    pipeline stages named ``path`` lives (``path`` itself for one of each),
+    part by part, each part's stages in turn (the order of :func:`all_files`)."""
+    if stages > 1:
+        return [stage_path(path, r, s) for r in range(num_parts) for s in range(stages)]
     return [path] if num_parts == 1 else [part_path(path, r) for r in range(num_parts)]
+
+
+def _stages_on_disk(path: str) -> dict:
+    """``{K: [S, ...]}`` for every ``<path>-model_part-K-stage-S.pt`` on disk (stages ascending)."""
+    if not path.endswith(".pt"):
+        return {}
+    found = {}
+    prefix = path[: -len(".pt")] + PART_SUFFIX.format("")
+    for p in glob.glob(glob.escape(prefix) + "*" + STAGE_SUFFIX.format("*") + ".pt"):
+        m = _PART_NAME.fullmatch(p)
+        if m and m.group(1) + ".pt" == path and m.group(3) is not None:
+            found.setdefault(int(m.group(2)), []).append(int(m.group(3)))
+    return {k: sorted(v) for k, v in found.items()}
+
+
+def stage_files(part: str) -> List[str]:
+    """The files of the tensor part that ``part`` names, stage by stage:
+    ``[part]`` for a part without stages, all stages of a stage-0 file.
+
+    Raises:
+        CheckpointError: a stage file is missing.
+    """
+    m = _PART_NAME.fullmatch(part)
+    if not m or m.group(3) is None:
+        return [part]
+    checkpoint, rank = m.group(1) + ".pt", int(m.group(2))
+    stages = _stages_on_disk(checkpoint).get(rank, [])
+    missing = sorted(set(range(stages[-1] + 1 if stages else 1)) - set(stages))
+    if missing:
+        raise CheckpointError(f"pipeline stage file {stage_path(checkpoint, rank, missing[0])} is missing")
+    return [stage_path(checkpoint, rank, s) for s in stages]
+
+
+def all_files(files: List[str]) -> List[str]:
+    """Every file of the parts ``files`` (:func:`find_part_files`), each part's stages in turn."""
+    return [f for part in files for f in stage_files(part)]
+
+
+def pipeline_stages_of(files: List[str]) -> int:
+    """The number of pipeline stages of the parts ``files`` (1 without stages)."""
+    return len(stage_files(files[0])) if files else 1
 
 
 def _part_ranks(path: str) -> List[int]:
@@ -83,6 +155,13 @@ def find_part_files(path: str) -> List[str]:
         except OSError as e:
             raise CheckpointError(f"cannot complete the save of {path} that its manifest records: {e}") from None
     ranks = _part_ranks(path)
+    staged = _stages_on_disk(path)
+    if staged:
+        if ranks or os.path.exists(path):
+            other = part_path(path, ranks[0]) if ranks else path
+            raise CheckpointError(f"{other} and pipeline stage file(s) {stage_path(path, min(staged), 0)} ... both "
+                                  f"exist: checkpoints of two layouts under one name; move away the one not meant")
+        return _stage_zero_files(path, staged)
     if os.path.exists(path):
         if ranks:
             raise CheckpointError(
@@ -97,6 +176,22 @@ def find_part_files(path: str) -> List[str]:
     if missing:
         raise CheckpointError(f"model part file {part_path(path, missing[0])} is missing")
     return [part_path(path, r) for r in ranks]
+
+
+def _stage_zero_files(path: str, staged: dict) -> List[str]:
+    """The stage-0 file of each tensor part of the pipelined checkpoint
+    ``path`` (``staged``: :func:`_stages_on_disk`), after checking that no
+    part or stage is missing."""
+    ranks = sorted(staged)
+    missing = sorted(set(range(ranks[-1] + 1)) - set(ranks))
+    if missing:
+        raise CheckpointError(f"model part {missing[0]} of {path} is missing: no {stage_path(path, missing[0], 0)}")
+    stages = max(max(v) for v in staged.values()) + 1
+    for rank in ranks:
+        gone = sorted(set(range(stages)) - set(staged[rank]))
+        if gone:
+            raise CheckpointError(f"pipeline stage file {stage_path(path, rank, gone[0])} is missing")
+    return [stage_path(path, r, 0) for r in ranks]
 
 
 def check_output_name(output_path: str, outputs: List[str]) -> None:
@@ -185,7 +280,7 @@ def check_complete(files: List[str]) -> None:
     that are not one save (:func:`check_one_save`). Reads only the start
     and end of each file and its pickled structure, so every rank can check
     every part before any of them loads one."""
-    files = list(files)
+    files = all_files(files)
     for path in files:
         with open(path, "rb") as f:
             head = f.read(4)

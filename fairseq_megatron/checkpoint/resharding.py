@@ -45,6 +45,7 @@ from fairseq_megatron.checkpoint.layout import (
     tied_keys,
 )
 from fairseq_megatron.checkpoint.part_files import (
+    all_files,
     can_be_memory_mapped,
     check_integrity,
     check_one_save,
@@ -53,6 +54,8 @@ from fairseq_megatron.checkpoint.part_files import (
     output_paths,
     is_write_failure,
     part_path,
+    pipeline_stages_of,
+    stage_files,
     write_error,
 )
 
@@ -89,9 +92,10 @@ def _set(config, name, value):
         setattr(config, name, value)
 
 
-def set_model_parallel_size(state: dict, size: int, padded_vocab_size: int) -> None:
-    """Record a new model-parallel size, and the vocabulary size the model must
-    keep, everywhere fairseq reads them: ``args``, ``cfg.common``, ``cfg.model``."""
+def set_model_parallel_size(state: dict, size: int, padded_vocab_size: int, stages: int = 1) -> None:
+    """Record a new model-parallel size (and number of pipeline stages), and
+    the vocabulary size the model must keep, everywhere fairseq reads them:
+    ``args``, ``cfg.common``, ``cfg.model``."""
     cfg = state.get("cfg")
     if cfg is not None and cfg.get("common") is not None:
         cfg["common"]["model_parallel_size"] = size
@@ -99,6 +103,51 @@ def set_model_parallel_size(state: dict, size: int, padded_vocab_size: int) -> N
         if config is not None:
             _set(config, "model_parallel_size", size)
             _set(config, "padded_vocab_size", padded_vocab_size)
+            if stages > 1 or config_value(config, "pipeline_model_parallel_size") is not None:
+                _set(config, "pipeline_model_parallel_size", stages)
+
+
+def stage_layouts(config, stages: int) -> list:
+    """The :class:`~fairseq_megatron.models.pipeline_stage.PipelineStageLayout`
+    of each of ``stages`` stages of the model ``config`` describes.
+
+    Raises:
+        UsageError: ``stages`` does not divide the decoder layers.
+    """
+    from fairseq_megatron.models.pipeline_stage import PipelineStageLayout
+
+    layers = int(config_value(config, "decoder_layers"))
+    tied = bool(config_value(config, "share_decoder_input_output_embed", False))
+    return [PipelineStageLayout(stage, stages, layers, tied) for stage in range(stages)]
+
+
+def split_stages(state: dict, stages: int) -> List[dict]:
+    """One tensor part's checkpoint ``state`` (all layers) as the
+    checkpoints of its ``stages`` pipeline stages
+    (:meth:`~fairseq_megatron.models.pipeline_stage.PipelineStageLayout.holds`),
+    each recording ``stages`` in its config; the EMA weights are split the
+    same way. ``[state]`` for one stage.
+
+    Raises:
+        UsageError: ``stages`` does not divide the decoder layers.
+    """
+    if stages == 1:
+        return [state]
+    out = []
+    for layout in stage_layouts(model_config(state), stages):
+        part = {k: v for k, v in state.items() if k not in ("model", "args", "cfg")}
+        part.update({k: copy.deepcopy(state[k]) for k in ("args", "cfg") if k in state})
+        part["extra_state"] = dict(state.get("extra_state") or {})
+        part["model"] = OrderedDict((k, v) for k, v in state["model"].items() if layout.holds(k))
+        for entry in EMA_STATE_DICTS:
+            weights = (part.get("extra_state") or {}).get(entry)
+            if weights is not None:
+                part["extra_state"][entry] = OrderedDict((k, v) for k, v in weights.items() if layout.holds(k))
+        for c in (part.get("args"), (part.get("cfg") or {}).get("model")):
+            if c is not None:
+                _set(c, "pipeline_model_parallel_size", stages)
+        out.append(part)
+    return out
 
 
 def check_divisible(config, padded_vocab_size: int, size: int) -> None:
@@ -125,6 +174,40 @@ def _load(path: str, mmap: bool = True) -> dict:
         raise CheckpointError(f"{path} is not a fairseq checkpoint (no 'model' entry)")
     return state
 
+
+
+def merge_stages(states: List[dict], files: List[str]) -> dict:
+    """One tensor part's checkpoint from its pipeline stages' (``states``,
+    read from ``files``, stage order): the model's state dict and the EMA
+    weights (where every stage holds them) are the union of the stages',
+    in stage order; everything else is stage 0's, its config recording one
+    stage. Keys held by two stages (the tied embedding's copy on the last,
+    ``decoder.version``) are checked to be equal. A single state is
+    returned as it is.
+
+    Raises:
+        CheckpointError: the stages disagree on a key both hold.
+    """
+    if len(states) == 1:
+        return states[0]
+    merged = dict(states[0])
+
+    def union(dicts):
+        out = {}
+        for f, d in zip(files, dicts):
+            for k, v in d.items():
+                if k in out and not _is_buffer(k) and not _same_values(out[k], v):
+                    raise CheckpointError(f"{f} holds {k} with other values than {files[0]}'s stage")
+                out.setdefault(k, v)
+        return out
+
+    merged["model"] = union([s["model"] for s in states])
+    extras = [s.get("extra_state") or {} for s in states]
+    if all(e.get("ema") is not None for e in extras):
+        merged["extra_state"] = dict(extras[0], ema=union([e["ema"] for e in extras]))
+    merged.pop("last_optimizer_state", None)
+    _set(model_config(merged), "pipeline_model_parallel_size", 1)
+    return merged
 
 
 def saved_vocabulary(path: str) -> Tuple[Optional[int], Optional[int]]:
@@ -195,17 +278,24 @@ class PartFiles:
     def __init__(self, path: str, with_optimizer: bool = False):
         self.path = path
         self.files = find_part_files(path)
-        for f in self.files:
+        self.stages = pipeline_stages_of(self.files)
+        every_file = all_files(self.files)
+        for f in every_file:
             check_integrity(f)
-        self.mmap = all(can_be_memory_mapped(f) for f in self.files)
-        first = _load(self.files[0], self.mmap)
+        self.mmap = all(can_be_memory_mapped(f) for f in every_file)
+        loaded_files = [_load(f, self.mmap) for f in every_file]
+        check_one_save(every_file, loaded_files)
+        loaded = [merge_stages(loaded_files[i: i + self.stages], every_file[i: i + self.stages])
+                  for i in range(0, len(every_file), self.stages)]
+        first = loaded[0]
         self.keys = list(first["model"].keys())
-        loaded = [first] + [_load(f, self.mmap) for f in self.files[1:]]
-        check_one_save(self.files, loaded)
         for f, state in zip(self.files[1:], loaded[1:]):
             if list(state["model"].keys()) != self.keys:
                 raise CheckpointError(f"{f} holds different tensors than {self.files[0]}")
         if with_optimizer:
+            if self.stages > 1:
+                raise CheckpointError(f"{path} is in {self.stages} pipeline stages: its optimizer state is not "
+                                      f"resharded (each stage's optimizer holds that stage's parameters)")
             for f, state in zip(self.files, loaded):
                 if not state.get("last_optimizer_state"):
                     raise CheckpointError(f"{f} holds no optimizer state")
@@ -214,7 +304,7 @@ class PartFiles:
         else:
             self._kept = loaded if with_optimizer else [
                 {"model": state["model"], "extra_state": state.get("extra_state")} for state in loaded]
-        del loaded
+        del loaded, loaded_files
         self.metadata = {k: v for k, v in first.items() if k != "model"}
         self.aliases = tied_keys(first["model"])
         check_part_count(path, self.files, first)
@@ -230,10 +320,10 @@ class PartFiles:
         return [entry for entry in EMA_STATE_DICTS if extra_state.get(entry) is not None]
 
     def checkpoints(self) -> List[dict]:
-        """Every part's checkpoint dict, tensors memory-mapped."""
+        """Every part's checkpoint dict (its stages merged), tensors memory-mapped."""
         if self._kept is not None:
             return list(self._kept)
-        return [_load(f) for f in self.files]
+        return [merge_stages([_load(f) for f in stage_files(part)], stage_files(part)) for part in self.files]
 
     def models(self) -> List[Dict[str, torch.Tensor]]:
         return [state["model"] for state in self.checkpoints()]
@@ -530,7 +620,7 @@ def prepare_outputs(input_path: str, output_path: str, outputs: List[str], with_
              parts: Optional[PartFiles] = None) -> PartFiles:
     check_output_name(output_path, outputs)
     parts = parts or PartFiles(input_path, with_optimizer)
-    inputs = {os.path.realpath(f) for f in parts.files}
+    inputs = {os.path.realpath(f) for f in all_files(parts.files)}
     for o in outputs:
         if os.path.realpath(o) in inputs:
             raise CheckpointError(f"refusing to overwrite the input {o}")
@@ -576,7 +666,7 @@ def resharded_model(input_path: str, rank: int, size: int,
 
 def reshard(input_path: str, output_path: str, new_size: int, verify: bool = True,
             progress: Optional[Callable[[str], None]] = None, with_optimizer: bool = False,
-            parts: Optional[PartFiles] = None) -> List[str]:
+            parts: Optional[PartFiles] = None, new_stages: int = 1) -> List[str]:
     """Rewrite checkpoint ``input_path`` (any model-parallel size) for size ``new_size``.
 
     The model weights (and the EMA weights of fairseq-train ``--store-ema``,
@@ -587,8 +677,10 @@ def reshard(input_path: str, output_path: str, new_size: int, verify: bool = Tru
     ``--reset-optimizer``. The per-rank RNG tracker states are dropped. The
     padded vocabulary size is recorded in the config, so the model built at
     the new size has exactly the same vocabulary rows. Returns the paths
-    written: ``output_path`` for size 1, else its ``-model_part-K`` names.
-    Memory: one output part (with the optimizer: its weights and moments)
+    written: ``output_path`` for size 1, else its ``-model_part-K`` names;
+    with ``new_stages`` > 1 pipeline stages, ``-model_part-K-stage-S``
+    (:func:`split_stages`; the input may have any number of stages, which
+    are merged first: :func:`merge_stages`). Memory: one output part (with the optimizer: its weights and moments)
     plus one memory-mapped layer of the input. ``parts``: the input already
     opened, as ``PartFiles(input_path, with_optimizer)`` (not read again).
 
@@ -600,16 +692,21 @@ def reshard(input_path: str, output_path: str, new_size: int, verify: bool = Tru
             ``with_optimizer`` a part without optimizer state or a state
             that cannot be split (see :func:`optimizer_state_per_parameter`).
     """
-    outputs = output_paths(output_path, new_size)
+    outputs = output_paths(output_path, new_size, new_stages)
+    if with_optimizer and new_stages > 1:
+        raise CheckpointError(f"--keep-optimizer with {new_stages} pipeline stages: each stage's optimizer holds "
+                              f"that stage's parameters, which this tool does not split")
     parts = prepare_outputs(input_path, output_path, outputs, with_optimizer, parts)
     check_divisible(model_config(parts.metadata), parts.padded_vocab_size, new_size)
+    stage_layouts(model_config(parts.metadata), new_stages)  # refuses stages that do not divide the layers
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
     written = []  # every part under its temporary name, renamed once all are written: all parts or none
     try:
-        for rank, out in enumerate(outputs):
+        for rank in range(new_size):
             state = _part_state(parts, rank, new_size, check_replicas=(rank == 0), with_optimizer=with_optimizer,
                                 progress=progress)
-            written.append(save_verified(state, out, verify, rename=False))
+            for stage_state in split_stages(state, new_stages):
+                written.append(save_verified(stage_state, outputs[len(written)], verify, rename=False))
             del state
     except BaseException:
         for tmp in written:

@@ -8,8 +8,10 @@
         --dict data-bin/dict.txt --encoder-json encoder.json --vocab-bpe vocab.bpe
 
 ``--input`` is what you would pass to fairseq as ``--path``: the part files
-``<name>-model_part-K.pt`` are found next to it. For size 1 the output is one
-file, otherwise ``<output>-model_part-K.pt``. The model weights are kept, and
+``<name>-model_part-K.pt`` (or, of a pipelined checkpoint,
+``<name>-model_part-K-stage-S.pt``) are found next to it. For size 1 the
+output is one file, otherwise ``<output>-model_part-K.pt``; with
+``--pipeline-model-parallel-size P`` > 1, ``<output>-model_part-K-stage-S.pt``. The model weights are kept, and
 with ``--keep-optimizer`` the optimizer state too, so that training resumes
 at the new size with ``--restore-file <output>``; without it, resume with
 ``--reset-optimizer``. The EMA weights of ``fairseq-train --store-ema`` are
@@ -86,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input", required=True, help="checkpoint path as given to fairseq --path")
     parser.add_argument("--output", required=True, help="output .pt path; part suffixes are added for size > 1")
     parser.add_argument("--model-parallel-size", type=int, help="new model-parallel size")
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="P",
+                        help="new number of pipeline stages (default 1: one file per model part)")
     parser.add_argument("--to-fairseq", action="store_true",
                         help="write one checkpoint for fairseq's own transformer_lm (no --user-dir needed)")
     parser.add_argument("--dict", help="with --to-fairseq or --to-hf: the data's dict.txt; the vocabulary is cut to "
@@ -127,6 +131,12 @@ def main(argv=None) -> int:
                    if getattr(args, name) is not None]
         if hf_only and not args.to_hf:
             raise UsageError(f"{' '.join(hf_only)}: read only with --to-hf")
+        if args.pipeline_model_parallel_size < 1:
+            raise UsageError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: the number of "
+                             f"pipeline stages is at least 1")
+        if export and args.pipeline_model_parallel_size != 1:
+            raise UsageError(f"{export} writes one model without pipeline stages: --pipeline-model-parallel-size "
+                             f"{args.pipeline_model_parallel_size} cannot apply to it")
         if export and args.model_parallel_size not in (None, 1):
             raise UsageError(f"{export} writes one model without model parallelism: "
                              f"--model-parallel-size {args.model_parallel_size} cannot apply to it")
@@ -153,7 +163,8 @@ def main(argv=None) -> int:
         steps = len(layer_groups(parts.keys)) * args.model_parallel_size * passes
         with tqdm(total=steps, desc="resharding", unit="layer", disable=None) as bar:
             written = reshard(args.input, args.output, args.model_parallel_size, verify=args.verify,
-                              progress=lambda _: bar.update(), with_optimizer=args.keep_optimizer, parts=parts)
+                              progress=lambda _: bar.update(), with_optimizer=args.keep_optimizer, parts=parts,
+                              new_stages=args.pipeline_model_parallel_size)
     except (UsageError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -71,8 +71,9 @@ from fairseq_megatron.checkpoint.part_files import (
     check_integrity,
     checkpoint_of_part,
     find_part_files,
+    is_first_file,
     output_paths,
-    part_path,
+    pipeline_stages_of,
     write_error,
 )
 from fairseq_megatron.errors import UsageError
@@ -190,7 +191,8 @@ def _refuse_an_ensemble_as_one_path(path: str) -> None:
 
 def resharded_state(path: str, files: list, arg_overrides=None, with_ema: bool = False):
     """This rank's part of checkpoint ``path`` (saved at another
-    model-parallel size in ``files``), built in memory, in the form fairseq's
+    model-parallel size in ``files``, or in pipeline stages), built in
+    memory (with pipeline stages in this run, this rank's stage of it), in the form fairseq's
     ``load_checkpoint_to_cpu(files[0], arg_overrides)`` returns (overrides
     applied, old formats upgraded; the config records this size); None for a
     checkpoint of another architecture. The optimizer state, another size's,
@@ -200,6 +202,7 @@ def resharded_state(path: str, files: list, arg_overrides=None, with_ema: bool =
     from fairseq_megatron.checkpoint.resharding import (
         resharded_model,
         set_model_parallel_size,
+        split_stages,
         without_part_specific_state,
     )
 
@@ -207,8 +210,13 @@ def resharded_state(path: str, files: list, arg_overrides=None, with_ema: bool =
     if not _is_model_parallel_lm(state):
         return None
     rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
-    logger.info(f"{path}: {len(files)} model part(s), loaded at model-parallel size {size}: "
-                f"part {rank} resharded in memory")
+    stages, stage = (parallel_state.get_pipeline_model_parallel_world_size(),
+                     parallel_state.get_pipeline_model_parallel_rank())
+    saved_stages = pipeline_stages_of(files)
+    saved = f"{len(files)} model part(s)" + (f" x {saved_stages} pipeline stages" if saved_stages > 1 else "")
+    here = f"model-parallel size {size}" + (f" x {stages} pipeline stages" if stages > 1 else "")
+    built = f"part {rank}" + (f" of stage {stage}" if stages > 1 else "")
+    logger.info(f"{path}: {saved}, loaded at {here}: {built} resharded in memory")
     state["model"] = None  # free part 0 before building this rank's part
     state["model"], padded_vocab_size = resharded_model(path, rank, size)
     set_model_parallel_size(state, size, padded_vocab_size)
@@ -217,11 +225,12 @@ def resharded_state(path: str, files: list, arg_overrides=None, with_ema: bool =
     state["extra_state"] = without_part_specific_state(state.get("extra_state"))
     if with_ema and had_ema:
         state["extra_state"]["ema"], _ = resharded_model(path, rank, size, entry="ema")
-    return state
+    return split_stages(state, stages)[stage]
 
 
 def _on_every_rank(step, raised_elsewhere) -> None:
-    """Run ``step()`` on each rank of the model-parallel group and exchange
+    """Run ``step()`` on each rank of the model-parallel group (every tensor
+    part of every pipeline stage of one model copy) and exchange
     the outcomes, so that no rank goes on, or waits in a collective, when
     another failed: a rank whose step failed raises its own error, the
     others ``raised_elsewhere(rank, message)`` of the first rank that
@@ -231,12 +240,11 @@ def _on_every_rank(step, raised_elsewhere) -> None:
         step()
     except Exception as e:
         error = e
-    size = parallel_state.get_tensor_model_parallel_world_size() \
-        if parallel_state.model_parallel_is_initialized() else 1
+    group = parallel_state.get_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
+    size = parallel_state.world_size(group) if group is not None else 1
     found = [None] * size
     if size > 1:
-        dist.all_gather_object(found, None if error is None else str(error),
-                               group=parallel_state.get_tensor_model_parallel_group())
+        dist.all_gather_object(found, None if error is None else str(error), group=group)
     if error is not None:
         raise error
     failed = [(rank, said) for rank, said in enumerate(found) if said is not None]
@@ -295,7 +303,8 @@ def load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, stric
             from fairseq_megatron.checkpoint.resharding import check_part_count
 
             check_part_count(filename, files)  # the last parts lost look like a checkpoint of this size
-        other_size = bool(files) and len(files) != size and not (size == 1 and PathManager.exists(filename))
+        other_size = bool(files) and (len(files) != size or pipeline_stages_of(files) > 1) and not (
+            size == 1 and PathManager.exists(filename))
         if ours and files and not other_size:
             check_integrity_on_every_rank(files[parallel_state.get_tensor_model_parallel_rank()
                                                 if len(files) > 1 else 0])
@@ -383,7 +392,8 @@ def checkpoint_for_rank(trainer, filename: str, reset_optimizer: bool) -> str:
         return filename  # no checkpoint at all: fairseq starts from scratch
     check_complete(files)
     store_ema = trainer.cfg.ema.store_ema
-    if len(files) == size and PathManager.isfile(filename):
+    stages, saved_stages = parallel_state.get_pipeline_model_parallel_world_size(), pipeline_stages_of(files)
+    if len(files) == size and saved_stages == stages and PathManager.isfile(filename):
         check_integrity_on_every_rank(filename)
         rows, symbols = saved_vocabulary(filename)
         _check_vocabulary(trainer, rows and rows * size, symbols, path, size)
@@ -392,6 +402,13 @@ def checkpoint_for_rank(trainer, filename: str, reset_optimizer: bool) -> str:
         return CheckpointInMemory(filename, _ema_from_the_weights(checkpoint_utils.load_checkpoint_to_cpu(filename),
                                                                   filename))
     check_part_count(path, files)  # parts lost are not another size
+    if not reset_optimizer and (saved_stages > 1 or stages > 1):
+        raise UsageError(
+            f"{path} was saved at model-parallel size {len(files)} with {saved_stages} pipeline stage(s), this run "
+            f"has size {size} with {stages}: resume with --model-parallel-size {len(files)} "
+            f"--pipeline-model-parallel-size {saved_stages}, or start from its weights with --reset-optimizer "
+            f"(as --finetune-from-model), which splits them in memory"
+        )
     if not reset_optimizer:
         raise UsageError(
             f"{path} was saved at model-parallel size {len(files)}, this run has size {size}: resume with "
@@ -503,7 +520,7 @@ def _remove(paths) -> None:
         elif PathManager.exists(path):
             PathManager.rm(path)
         checkpoint = checkpoint_of_part(path)
-        if checkpoint is not None and part_path(checkpoint, 0) == path and os.path.lexists(manifest_path(checkpoint)):
+        if checkpoint is not None and is_first_file(path) and os.path.lexists(manifest_path(checkpoint)):
             os.remove(manifest_path(checkpoint))
 
 
@@ -522,10 +539,12 @@ def _save_committed(write, part: str, token: str, updates: int) -> None:
     staged = staged_name(part, token)
     checkpoint = checkpoint_of_part(part)
     size = parallel_state.get_tensor_model_parallel_world_size()
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    first = parallel_state.rank(parallel_state.get_model_parallel_group()) == 0
     try:
         _on_every_rank(lambda: write(staged), _failed_on_a_rank(f"saving {checkpoint}"))
-        _on_every_rank(lambda: write_manifest(checkpoint, token, updates, output_paths(checkpoint, size))
-                       if parallel_state.get_tensor_model_parallel_rank() == 0 else None,
+        _on_every_rank(lambda: write_manifest(checkpoint, token, updates, output_paths(checkpoint, size, stages))
+                       if first else None,
                        _failed_on_a_rank(f"committing the save of {checkpoint}"))
     except BaseException:
         if os.path.lexists(staged):
@@ -602,11 +621,12 @@ def save_checkpoint_of_model_parts(cfg, trainer, epoch_itr, val_loss, best_holde
 
     checkpoints = [os.path.join(cfg.save_dir, name) for name, cond in conds.items() if cond]
     saved = None
-    committed = (parallel_state.get_tensor_model_parallel_world_size() > 1 and "://" not in cfg.save_dir
-                 and not cfg.write_checkpoints_asynchronously)
+    model_parallel = (parallel_state.get_tensor_model_parallel_world_size()
+                      * parallel_state.get_pipeline_model_parallel_world_size())
+    committed = model_parallel > 1 and "://" not in cfg.save_dir and not cfg.write_checkpoints_asynchronously
     if checkpoints and committed:  # every file a commit of all parts (see _save_committed)
         token = [commit.new_token()]  # model-parallel rank 0's, sent to the others
-        group = parallel_state.get_tensor_model_parallel_group()
+        group = parallel_state.get_model_parallel_group()
         dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
         extra_state["save"] = {"token": token[0], "updates": updates}
         _save_committed(lambda staged: trainer.save_checkpoint(staged, extra_state), checkpoints[0], token[0],

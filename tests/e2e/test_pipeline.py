@@ -1,0 +1,104 @@
+"""fairseq-train with --pipeline-model-parallel-size 2 as a user runs it
+(2 processes under torchrun), against the same command at one stage: the
+same losses, gradient norms and validation losses per update, a resumed run
+that continues the same curve, stage files under the commit rule, and
+fairseq-eval-lm loading the stages at one stage.
+
+Tolerances: fairseq-train prints losses and norms to 3 decimals and the two
+runs differ only in the order of fp32 sums (about 1e-6), so the printed
+values may differ by one unit of the last digit: 1e-3. fairseq-eval-lm
+prints 4 decimals; the checkpoint loaded as stages and as one merged file
+hold bitwise the same weights, so their lines are identical, and the
+one-stage run's checkpoint differs by the training runs' fp32 reordering:
+1e-3 relative, as the issue that asked for this sets.
+"""
+
+import os
+import re
+
+import pytest
+import torch
+
+from fairseq_megatron import USER_DIR
+from fairseq_megatron.checkpoint.resharding import reshard
+from tests.e2e.common import MODEL, eval_args, eval_loss
+from tests.helpers import fairseq
+
+pytestmark = pytest.mark.slow
+
+
+def _train(data, save_dir, stages, max_update):
+    args = [data, "--user-dir", USER_DIR, "--cpu", *MODEL, "--criterion", "vocab_parallel_cross_entropy",
+            "--batch-size", "4", "--update-freq", "2", "--optimizer", "adam", "--lr", "0.001", "--clip-norm", "1.0",
+            "--max-update", str(max_update), "--save-dir", str(save_dir), "--no-epoch-checkpoints",
+            "--validate-interval-updates", "2", "--log-format", "simple", "--log-interval", "1", "--seed", "3",
+            "--dropout", "0", "--attention-dropout", "0", "--pipeline-model-parallel-size", str(stages)]
+    _, log = fairseq("train", args, nproc=stages if stages > 1 else None)
+    assert f"training on {stages} devices" in log, log[-3000:]
+    return log
+
+
+def _curve(log):
+    """``{update: (loss, gnorm)}`` of the train_inner lines, and ``{update: valid loss}``."""
+    train = {int(u): (float(loss), float(g)) for loss, u, g in
+             re.findall(r"train_inner \| .* loss=([0-9.]+),.* num_updates=(\d+),.* gnorm=([0-9.]+)", log)}
+    valid = {int(u): float(loss) for loss, u in
+             re.findall(r"valid on 'valid' subset \| loss ([0-9.]+) \|.*\| num_updates (\d+)", log)}
+    return train, valid
+
+
+def _close(a, b):
+    assert a.keys() == b.keys(), (a, b)
+    for k in a:
+        torch.testing.assert_close(torch.tensor(a[k], dtype=torch.float64), torch.tensor(b[k], dtype=torch.float64),
+                                   rtol=0, atol=1e-3, msg=f"update {k}")
+
+
+@pytest.fixture(scope="module")
+def runs(trained, tmp_path_factory):
+    """Two stages and one, 4 updates, then both resumed to 6."""
+    root = tmp_path_factory.mktemp("pipeline")
+    logs = {}
+    for stages in (2, 1):
+        save_dir = root / f"pp{stages}"
+        logs[stages] = (_train(trained["data"], save_dir, stages, 4), _train(trained["data"], save_dir, stages, 6))
+    return root, logs
+
+
+def test_two_stages_train_as_one(runs):
+    root, logs = runs
+    for two_stages, one_stage in zip(logs[2], logs[1]):  # the first run, then the resumed one
+        train2, valid2 = _curve(two_stages)
+        train1, valid1 = _curve(one_stage)
+        _close(train2, train1)
+        _close(valid2, valid1)
+    assert sorted(_curve(logs[2][0])[0]) == [1, 2, 3, 4] and sorted(_curve(logs[2][1])[0]) == [5, 6]
+    assert sorted(_curve(logs[2][1])[1]) == [6]  # the resumed run validated at its own interval
+
+
+def test_stage_files_hold_their_stages_and_commit(runs):
+    root, _ = runs
+    names = sorted(os.listdir(root / "pp2"))
+    assert names == ["checkpoint_best-model_part-0-stage-0.pt", "checkpoint_best-model_part-0-stage-1.pt",
+                     "checkpoint_best.pt.manifest.json", "checkpoint_last-model_part-0-stage-0.pt",
+                     "checkpoint_last-model_part-0-stage-1.pt", "checkpoint_last.pt.manifest.json"]
+    first, last = (torch.load(root / "pp2" / f"checkpoint_last-model_part-0-stage-{s}.pt", weights_only=False)
+                   for s in (0, 1))
+    assert {k.split(".")[2] for k in first["model"] if ".layers." in k} == {"0"}
+    assert {k.split(".")[2] for k in last["model"] if ".layers." in k} == {"1"}
+    assert torch.equal(first["model"]["decoder.embed_tokens.weight"], last["model"]["decoder.embed_tokens.weight"])
+    assert first["extra_state"]["save"] == last["extra_state"]["save"]  # one save, one token
+
+
+def test_eval_lm_loads_the_stages_at_one_stage(runs, trained):
+    root, _ = runs
+    path = str(root / "pp2" / "checkpoint_last.pt")
+    _, from_stages = fairseq("eval_lm", eval_args(trained["data"], path, 1))
+    assert "1 model part(s) x 2 pipeline stages, loaded at model-parallel size 1" in from_stages
+    assert len(re.findall(r"Loss \(base 2\)", from_stages)) == 1
+    merged = str(root / "merged" / "model.pt")
+    assert reshard(path, merged, 1) == [merged]
+    _, from_one_file = fairseq("eval_lm", eval_args(trained["data"], merged, 1))
+    assert eval_loss(from_stages) == eval_loss(from_one_file)
+    _, one_stage_run = fairseq("eval_lm", eval_args(trained["data"], str(root / "pp1" / "checkpoint_last.pt"), 1))
+    assert abs(eval_loss(from_stages) - eval_loss(one_stage_run)) <= 1e-3 * eval_loss(one_stage_run)

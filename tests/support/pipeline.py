@@ -1,0 +1,143 @@
+"""Workers for the pipeline-parallel tests: fairseq's trainer (our
+``MegatronTrainer``) at ``T x P x D`` ranks, stepping on batches made here.
+
+The batches are those fairseq's language-modeling task gives an update
+under ``--sample-break-mode none``: ``--update-freq`` samples of
+``--batch-size`` rows of ``--tokens-per-sample`` tokens, except where the
+epoch ends: a last batch of fewer rows, a last block of fewer positions
+(right-padded), and a last update with fewer samples than ``--update-freq``.
+"""
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from fairseq_megatron.checkpoint.layout import partition_dim
+from fairseq_megatron.parallel import parallel_state
+
+ROWS, LENGTH, VOCAB = 4, 16, 64  # --batch-size, --tokens-per-sample, dummy_lm's dictionary (60 + 4 specials)
+PAD = 1
+
+
+def sample(seed: int, rows: int = ROWS, length: int = LENGTH, short_tail: int = 0) -> dict:
+    """A fairseq LM sample of ``rows`` x ``length`` tokens; with ``short_tail``
+    its last row is a block ``short_tail`` tokens shorter, padded."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(4, VOCAB, (rows, length + 1), generator=g)
+    src, tgt = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    if short_tail:
+        src[-1, -short_tail:] = PAD
+        tgt[-1, -short_tail:] = PAD
+    return {"id": torch.arange(rows) + seed * 100, "nsentences": rows, "ntokens": int(tgt.ne(PAD).sum()),
+            "net_input": {"src_tokens": src, "src_lengths": src.ne(PAD).sum(1)}, "target": tgt}
+
+
+def epoch(updates: int, micro_batches: int, data_parallel_rank: int = 0) -> list:
+    """``updates`` updates of ``micro_batches`` samples for one data-parallel
+    rank; the last update is the epoch's end: one sample fewer, its last
+    batch of 2 rows whose last row is a block 5 tokens short."""
+    out = []
+    for u in range(updates):
+        seeds = [1000 * data_parallel_rank + micro_batches * u + i for i in range(micro_batches)]
+        if u < updates - 1:
+            out.append([sample(s) for s in seeds])
+        else:
+            out.append([sample(s) for s in seeds[:-2]] + [sample(seeds[-2], rows=2, short_tail=5)])
+    return out
+
+
+def build(tensor: int, stages: int, micro_batches: int, layers: int, extra=()):
+    """Our trainer for a ``layers`` x 32 ``transformer_lm_megatron_11b``
+    (tied embeddings, no dropout) on fairseq's dummy_lm task, with this
+    world's groups made for ``tensor`` x ``stages``."""
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    from fairseq_megatron.fairseq_integration.trainer import build_trainer
+    from fairseq_megatron.parallel.rng_tracker import model_parallel_manual_seed
+
+    parallel_state.initialize_model_parallel(tensor, stages)
+    model_parallel_manual_seed(3)
+    torch.manual_seed(3)
+    args = options.parse_args_and_arch(options.get_training_parser(), input_args=[
+        "--task", "dummy_lm", "--tokens-per-sample", str(LENGTH), "--dict-size", str(VOCAB - 4),
+        "--batch-size", str(ROWS), "--arch", "transformer_lm_megatron_11b", "--decoder-layers", str(layers),
+        "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4",
+        "--share-decoder-input-output-embed", "--dropout", "0", "--attention-dropout", "0",
+        "--criterion", "vocab_parallel_cross_entropy", "--optimizer", "adam", "--lr", "1e-3", "--clip-norm", "0.5",
+        "--seed", "3", "--update-freq", str(micro_batches), "--model-parallel-size", str(tensor),
+        "--pipeline-model-parallel-size", str(stages), "--ddp-backend", "legacy_ddp", "--cpu",
+        "--distributed-world-size", str(dist.get_world_size()), *extra])
+    cfg = convert_namespace_to_omegaconf(args)
+    if tensor > 1:  # what fairseq's distributed_init does at --model-parallel-size > 1
+        from fairseq.distributed import utils as distributed_utils
+
+        distributed_utils._USE_MEGATRON = True  # its data-parallel group is then the mpu's
+        cfg.checkpoint.checkpoint_suffix = f"-model_part-{parallel_state.get_tensor_model_parallel_rank()}"
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model)
+    return build_trainer(cfg, task, model, task.build_criterion(cfg.criterion))
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
+
+
+def train(rank, world_size, tensor, stages, micro_batches, layers, updates, extra=()):
+    """Train ``updates`` updates of :func:`epoch` (this rank's data-parallel
+    shard). Returns per update the loss per token and the gradient norm
+    (as the trainer computed them), this rank's coordinates and parameter
+    names, the tied embedding's digest on the stages that hold it, and at
+    the end its parameters and their last gradients."""
+    trainer = build(tensor, stages, micro_batches, layers, extra)
+    trainer.get_model().run_deferred_initialisation()
+    norms, losses, embedding_digests = [], [], []
+    clip = trainer.clip_grad_norm
+
+    def recorded_norm(clip_norm):
+        norm = clip(clip_norm)
+        norms.append(float(norm))
+        return norm
+
+    trainer.clip_grad_norm = recorded_norm
+    reduce = trainer._reduce_and_log_stats
+
+    def recorded_loss(logging_outputs, sample_size, grad_norm=None):
+        losses.append(float(sum(float(o["loss"]) for o in logging_outputs)) / float(sample_size))
+        return reduce(logging_outputs, sample_size, grad_norm)
+
+    trainer._reduce_and_log_stats = recorded_loss
+    decoder = trainer.get_model().decoder
+    for samples in epoch(updates, micro_batches, parallel_state.get_data_parallel_rank()):
+        trainer.train_step(samples)
+        if decoder.embed_tokens is not None:
+            embedding_digests.append(_digest(decoder.embed_tokens.weight))
+    model = trainer.get_model()
+    return {
+        "coordinates": (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank(),
+                        parallel_state.get_pipeline_model_parallel_rank()),
+        "layers": sorted({int(n.split(".")[2]) for n, _ in model.named_parameters() if n.startswith("decoder.layers.")}),
+        "names": [n for n, _ in model.named_parameters()],
+        "losses": losses,
+        "norms": norms,
+        "embedding_digests": embedding_digests,
+        "params": {n: p.detach().clone() for n, p in model.state_dict().items() if "version" not in n
+                   and "_float_tensor" not in n},
+        "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None},
+    }
+
+
+def whole_model(results: list, key: str) -> dict:
+    """The whole model's tensors from every rank's ``results[...][key]`` of
+    one model copy (data-parallel rank 0): stages merged by name, tensor
+    parts concatenated along their partition dimension."""
+    copy0 = [r for r in results if r["coordinates"][1] == 0]
+    merged = {}
+    for stage in sorted({r["coordinates"][2] for r in copy0}):
+        parts = sorted((r for r in copy0 if r["coordinates"][2] == stage), key=lambda r: r["coordinates"][0])
+        for name in parts[0][key]:
+            dim = partition_dim(name)
+            tensors = [p[key][name] for p in parts]
+            merged[name] = tensors[0] if dim is None else torch.cat(tensors, dim)
+    return merged

@@ -1,0 +1,210 @@
+"""Pipeline parallelism's pieces in one process: the rank grid, what a stage
+holds, the micro-batches of an update, the stage files of a checkpoint and
+their resharding, and the options refused before any work."""
+
+import os
+from argparse import Namespace
+
+import pytest
+import torch
+
+from fairseq_megatron.checkpoint.layout import CheckpointError
+from fairseq_megatron.checkpoint.part_files import (
+    checkpoint_of_part,
+    find_part_files,
+    output_paths,
+    stage_files,
+    stage_path,
+)
+from fairseq_megatron.checkpoint.resharding import PartFiles, reshard, split_stages
+from fairseq_megatron.errors import UsageError
+from fairseq_megatron.models.options import check_pipeline_data_parallel_backend, check_pipeline_options
+from fairseq_megatron.models.pipeline_stage import PipelineStageLayout
+from fairseq_megatron.parallel.parallel_state import ParallelLayout
+from fairseq_megatron.training.pipeline_schedule import stack_micro_batches
+from tests.support.checkpoint_resharding import save_checkpoint
+from tests.support.pipeline import PAD, sample
+
+# ---------------------------------------------------------------- the grid
+
+
+def test_layout_orders_tensor_then_data_then_pipeline():
+    """Megatron-Core's order (tensor fastest, pipeline slowest), for T 2 x D 2 x P 2."""
+    layout = ParallelLayout(8, tensor=2, pipeline=2)
+    assert layout.data == 2
+    assert layout.tensor_parallel_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.data_parallel_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.pipeline_parallel_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.model_parallel_groups() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert layout.embedding_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [layout.coordinates(r) for r in (0, 3, 6)] == [(0, 0, 0), (1, 1, 0), (0, 1, 1)]
+    assert all(layout.rank(*layout.coordinates(r)) == r for r in range(8))
+
+
+def test_layout_without_pipeline_is_the_tensor_parallel_one():
+    """At P = 1 the groups are those fairseq's model parallelism always had."""
+    layout = ParallelLayout(4, tensor=2)
+    assert layout.tensor_parallel_groups() == [[0, 1], [2, 3]]
+    assert layout.data_parallel_groups() == [[0, 2], [1, 3]]
+    assert layout.model_parallel_groups() == layout.tensor_parallel_groups()
+    assert layout.embedding_groups() == [[0], [1], [2], [3]]
+
+
+def test_layout_refuses_a_world_size_tensor_times_pipeline_does_not_divide():
+    with pytest.raises(UsageError, match=r"world size 6 is not divisible by --model-parallel-size 2 x "
+                                         r"--pipeline-model-parallel-size 2 = 4"):
+        ParallelLayout(6, tensor=2, pipeline=2)
+    with pytest.raises(UsageError, match="at least 1"):
+        ParallelLayout(2, tensor=1, pipeline=0)
+
+
+# ---------------------------------------------------------------- a stage
+
+
+def test_stage_holds_its_layers_and_its_end_of_the_model():
+    first, middle, last = (PipelineStageLayout(s, 3, 6, tied_embeddings=True) for s in range(3))
+    assert [list(s.layer_range) for s in (first, middle, last)] == [[0, 1], [2, 3], [4, 5]]
+    keys = ["decoder.embed_tokens.weight", "decoder.embed_positions._float_tensor", "decoder.layers.3.fc1.weight",
+            "decoder.layer_norm.weight", "decoder.output_projection.weight", "decoder.version"]
+    assert [k for k in keys if first.holds(k)] == [keys[0], keys[1], keys[5]]
+    assert [k for k in keys if middle.holds(k)] == [keys[2], keys[5]]
+    assert [k for k in keys if last.holds(k)] == [keys[0], keys[3], keys[4], keys[5]]
+    assert last.holds_embedding_copy and not first.holds_embedding_copy
+    untied_last = PipelineStageLayout(2, 3, 6, tied_embeddings=False)
+    assert not untied_last.holds("decoder.embed_tokens.weight") and not untied_last.holds_embedding_copy
+
+
+def test_stage_refuses_stages_that_do_not_divide_the_layers():
+    with pytest.raises(UsageError, match="--decoder-layers 5 is not divisible by --pipeline-model-parallel-size 2"):
+        PipelineStageLayout(0, 2, 5, tied_embeddings=True)
+
+
+# ---------------------------------------------------------------- micro-batches
+
+
+def test_micro_batches_pad_a_short_batch_a_short_block_and_a_short_group():
+    full, short = sample(1), sample(2, rows=2, short_tail=5)
+    stacked = stack_micro_batches([full, short], micro_batches=3, rows=4, length=16, pad=PAD)
+    tokens, target = stacked["net_input"]["src_tokens"], stacked["target"]
+    assert tokens.shape == target.shape == (12, 16)
+    assert torch.equal(tokens[:4], full["net_input"]["src_tokens"])
+    assert torch.equal(target[4:6], short["target"])
+    assert target[6:].eq(PAD).all() and tokens[6:].eq(PAD).all()  # 2 padded rows, then an empty micro-batch
+    assert stacked["ntokens"] == full["ntokens"] + short["ntokens"] == 4 * 16 + 2 * 16 - 5
+    assert stacked["nsentences"] == 6
+    assert torch.equal(stacked["id"], torch.cat([full["id"], short["id"]]))
+
+
+def test_micro_batches_of_no_data_score_nothing():
+    stacked = stack_micro_batches([{}, None], micro_batches=2, rows=4, length=16, pad=PAD)
+    assert stacked["ntokens"] == stacked["nsentences"] == 0 and stacked["target"].eq(PAD).all()
+
+
+def test_micro_batches_refuse_a_batch_larger_than_the_micro_batch():
+    with pytest.raises(UsageError, match="does not fit the pipeline's micro-batch of 2 x 16"):
+        stack_micro_batches([sample(1)], micro_batches=2, rows=2, length=16, pad=PAD)
+    with pytest.raises(UsageError, match="3 samples for an update of 2 micro-batches"):
+        stack_micro_batches([sample(1)] * 3, micro_batches=2, rows=4, length=16, pad=PAD)
+
+
+# ---------------------------------------------------------------- options
+
+
+def _args(**overrides):
+    args = Namespace(pipeline_model_parallel_size=2, decoder_layers=4, update_freq=[2], sample_break_mode="none",
+                     criterion="vocab_parallel_cross_entropy")
+    for k, v in overrides.items():
+        setattr(args, k, v)
+    return args
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(decoder_layers=3), "--decoder-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
+    (dict(update_freq=[1]), "--update-freq 1 is below --pipeline-model-parallel-size 2"),
+    (dict(sample_break_mode="eos"), "--sample-break-mode eos with --pipeline-model-parallel-size 2"),
+    (dict(criterion="cross_entropy"), "--criterion cross_entropy with --pipeline-model-parallel-size 2"),
+    (dict(amp=True), "--amp: not supported with --pipeline-model-parallel-size 2"),
+    (dict(pipeline_model_parallel_size=0), "--pipeline-model-parallel-size 0: the number of pipeline stages"),
+])
+def test_pipeline_options_refused(overrides, message):
+    with pytest.raises(UsageError, match=message):
+        check_pipeline_options(_args(**overrides))
+
+
+def test_pipeline_options_accepted():
+    check_pipeline_options(_args())
+    check_pipeline_options(_args(pipeline_model_parallel_size=1, decoder_layers=3, update_freq=[1]))
+    # a checkpoint's config loaded for evaluation: no training options
+    check_pipeline_options(Namespace(pipeline_model_parallel_size=2, decoder_layers=4))
+
+
+def test_data_parallel_backend_of_a_pipeline():
+    check_pipeline_data_parallel_backend("pytorch_ddp", stages=2, data_parallel_size=1)
+    check_pipeline_data_parallel_backend("legacy_ddp", stages=2, data_parallel_size=2)
+    with pytest.raises(UsageError, match="use --ddp-backend legacy_ddp"):
+        check_pipeline_data_parallel_backend("pytorch_ddp", stages=2, data_parallel_size=2)
+
+
+# ---------------------------------------------------------------- stage files
+
+
+def test_stage_file_names():
+    assert stage_path("run/ckpt.pt", 1, 0) == "run/ckpt-model_part-1-stage-0.pt"
+    assert checkpoint_of_part("run/ckpt-model_part-1-stage-3.pt") == "run/ckpt.pt"
+    assert output_paths("m.pt", 2, 2) == ["m-model_part-0-stage-0.pt", "m-model_part-0-stage-1.pt",
+                                          "m-model_part-1-stage-0.pt", "m-model_part-1-stage-1.pt"]
+    assert output_paths("m.pt", 1, 2) == ["m-model_part-0-stage-0.pt", "m-model_part-0-stage-1.pt"]
+
+
+def _models(files):
+    return [torch.load(f, weights_only=False)["model"] for f in files]
+
+
+def test_reshard_to_stages_and_back_is_bitwise(tmp_path):
+    """(T 2, P 1) -> (T 1, P 2) -> (T 2, P 2) -> (T 2, P 1): the weights
+    come back bitwise; each stage file holds its stage's keys only; the
+    loader finds every stage of every part."""
+    original = str(tmp_path / "orig.pt")
+    save_checkpoint(original, 2)
+    stages = str(tmp_path / "stages" / "m.pt")
+    written = reshard(original, stages, 1, new_stages=2)
+    assert written == output_paths(stages, 1, 2) == [stage_path(stages, 0, 0), stage_path(stages, 0, 1)]
+    first, last = _models(written)
+    assert {k.split(".")[2] for k in first if ".layers." in k} == {"0"}
+    assert {k.split(".")[2] for k in last if ".layers." in k} == {"1"}
+    assert "decoder.layer_norm.weight" in last and "decoder.layer_norm.weight" not in first
+    assert torch.equal(first["decoder.embed_tokens.weight"], last["decoder.embed_tokens.weight"])  # tied copy
+    config = torch.load(written[0], weights_only=False)["cfg"]["model"]
+    assert config.pipeline_model_parallel_size == 2
+
+    both = str(tmp_path / "both" / "m.pt")
+    reshard(stages, both, 2, new_stages=2)
+    assert find_part_files(both) == [stage_path(both, 0, 0), stage_path(both, 1, 0)]
+    assert stage_files(stage_path(both, 1, 0)) == [stage_path(both, 1, 0), stage_path(both, 1, 1)]
+    back = str(tmp_path / "back" / "m.pt")
+    reshard(both, back, 2)
+    for a, b in zip(_models(find_part_files(original)), _models(find_part_files(back))):
+        assert sorted(a) == sorted(b)
+        for k in a:
+            if k != "decoder.embed_positions._float_tensor":  # fairseq's uninitialised buffer, not a weight
+                assert torch.equal(a[k], b[k]), k
+
+
+def test_a_missing_stage_is_one_line(tmp_path):
+    original, stages = str(tmp_path / "orig.pt"), str(tmp_path / "m.pt")
+    save_checkpoint(original, 1)
+    reshard(original, stages, 2, new_stages=2)
+    os.remove(stage_path(stages, 1, 1))
+    with pytest.raises(CheckpointError, match=r"pipeline stage file .*m-model_part-1-stage-1.pt is missing"):
+        find_part_files(stages)
+    os.remove(stage_path(stages, 1, 0))  # part 1 gone whole: the config's size tells
+    with pytest.raises(CheckpointError, match=r"m-model_part-1.pt is missing: .* saved at model-parallel size 2"):
+        PartFiles(stages)
+
+
+def test_split_stages_refuses_layers_it_cannot_split(tmp_path):
+    path = str(tmp_path / "orig.pt")
+    save_checkpoint(path, 1)
+    state = torch.load(path, weights_only=False)
+    with pytest.raises(UsageError, match="not divisible by --pipeline-model-parallel-size 3"):
+        split_stages(state, 3)

@@ -198,8 +198,11 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
 
     Valid: TP divides the heads and the FFN size and stays within a node
     (TP divides ``gpus_per_node``), PP divides the layers, DP = gpus / (TP*PP)
-    is whole, and the global batch is a whole number of micro batches per
-    data-parallel rank (gradient accumulation = global / (micro * DP)).
+    is whole, the global batch is a whole number of micro batches per
+    data-parallel rank (gradient accumulation = global / (micro * DP)), and
+    with PP > 1 there are at least PP micro batches per update (the 1F1B
+    schedule that ``--pipeline-model-parallel-size`` trains with runs the
+    update's ``--update-freq`` micro batches and needs one per stage).
 
     ``tp`` / ``pp`` restrict the search to one tensor / pipeline size.
 
@@ -242,6 +245,8 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
             if global_batch % (micro_batch * dp):
                 continue
             accumulation = global_batch // (micro_batch * dp)
+            if p > 1 and accumulation < p:
+                continue  # fewer micro batches than stages: 1F1B cannot run
             # first pipeline stage: embedding + L/PP layers (the heaviest stage)
             embed = m.vocab * m.hidden + (m.seq_len * m.hidden if m.learned_positions else 0)
             params = (embed + layer_params * (m.layers // p)) // t + (2 * m.hidden if p == 1 else 0)
@@ -284,12 +289,10 @@ def recommend(layouts: List[Layout]) -> (Optional[Layout], str):
               f"({best.total_gb:.1f} GB per GPU): the most data parallelism, tensor-parallel all-reduces "
               f"kept inside a node")
     if best.pp > 1:
-        reason += f", pipeline bubble {best.pipeline_bubble:.0%} with {best.grad_accumulation} micro batches"
-        one_stage = [lay for lay in layouts if lay.pp == 1]
-        if one_stage:  # none when the search was restricted to one pipeline size
-            least = min(one_stage, key=lambda lay: lay.total_gb)
-            reason += (f". fairseq_megatron trains one pipeline stage (PP=1): there the smallest layout needs "
-                       f"{least.total_gb:.1f} GB per GPU (TP={least.tp}); {_LOWER_MEMORY}")
+        reason += (f", pipeline bubble {best.pipeline_bubble:.0%} with {best.grad_accumulation} micro batches "
+                   f"(fairseq-train --model-parallel-size {best.tp} --pipeline-model-parallel-size {best.pp} "
+                   f"--update-freq {best.grad_accumulation} --sample-break-mode none"
+                   + (" --ddp-backend legacy_ddp" if best.dp > 1 else "") + ")")
     return best, reason
 
 

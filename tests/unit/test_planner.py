@@ -140,17 +140,19 @@ def test_layouts_and_recommendation():
     for l in layouts:
         assert ckpt[(l.tp, l.pp)] < l.activations_gb
         assert sp[(l.tp, l.pp)] <= l.activations_gb + 1e-12
-    # where only a pipeline layout fits, the recommendation says that this package trains one stage
-    # and what the best one-stage layout needs
+    # where only a pipeline layout fits, the recommendation gives its training flags
     tight = plan(shape, 16, 8, 24, 2, 512)
     best, reason = recommend(tight)
-    least = min((l for l in tight if l.pp == 1), key=lambda l: l.total_gb)
-    assert best.pp > 1 and not least.fits
-    assert reason.endswith(f"fairseq_megatron trains one pipeline stage (PP=1): there the smallest layout needs "
-                           f"{least.total_gb:.1f} GB per GPU (TP={least.tp}); lower it with activation "
-                           f"checkpointing, sequence parallelism, ZeRO sharding (several data-parallel ranks), "
-                           f"Adafactor or a smaller micro batch"), reason
-    assert "pipeline stage" not in recommend(layouts)[1]  # a one-stage layout fits at 80 GB
+    assert best.pp > 1 and not any(l.fits for l in tight if l.pp == 1)
+    assert reason.endswith(f"(fairseq-train --model-parallel-size {best.tp} --pipeline-model-parallel-size "
+                           f"{best.pp} --update-freq {best.grad_accumulation} --sample-break-mode none"
+                           f"{' --ddp-backend legacy_ddp' if best.dp > 1 else ''})"), reason
+    # 1F1B needs a micro batch per stage: a global batch of 8 micro batches over 16 GPUs gives
+    # TP x PP / 2 per update: enough for PP stages where TP >= 2 (TP 1 x PP 2: DP 8, 1 each, too few;
+    # TP 1 x PP 1 needs DP 16, which 8 micro batches do not fill)
+    few = {(l.tp, l.pp) for l in plan(shape, 16, 8, 80, 2, 8 * 2)}
+    assert (2, 4) in few and (2, 8) in few and not any(tp == 1 for tp, pp in few)
+    assert "--pipeline-model-parallel-size" not in recommend(layouts)[1]  # a one-stage layout fits at 80 GB
     # --offload-activations moves what checkpointing keeps per layer (2*s*b*h bytes of 16-bit
     # activations, for all 72 layers on the first pipeline stage) from the GPU to host memory
     kept_gb = 2 * 1024 * 2 * 3072 * 72 / 1e9  # 2*s*b*h, b = 2

@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """Training throughput and memory inside unmodified ``fairseq-train``.
 
-    python scripts/benchmark.py --shape 1p3b [--model-parallel-size 1] [--with-fairseq]
+    python scripts/benchmark.py --shape 1p3b [--model-parallel-size 1] [--pipeline-model-parallel-size 1]
+        [--update-freq 1] [--with-fairseq]
         [--precision fp16] [--checkpoint-activations] [--sequence-parallel]
         [--csv bench.csv] [--png bench.png]
 
-For each configuration this runs ``fairseq_cli.train`` (under torchrun when
-the model-parallel size is above 1) on synthetic binarized data with a
+For each configuration this runs ``fairseq_cli.train`` (under torchrun, one
+process per model part of each pipeline stage, when there is more than one) on synthetic binarized data with a
 50k-symbol vocabulary (1000 for ``tiny``), micro-batch 8 x 1024 tokens by
 default, and prints:
 
@@ -158,6 +159,11 @@ def _precision(args, impl: str, use_cuda: bool) -> str:
     return args.precision
 
 
+def _processes(args, impl: str) -> int:
+    """Model parts times pipeline stages (ours; fairseq's transformer_lm: 1)."""
+    return _model_parallel_size(args, impl) * (args.pipeline_model_parallel_size if impl == "megatron" else 1)
+
+
 def _launcher(nproc: int):
     """Python, under torchrun when more than one process is needed."""
     if nproc == 1:
@@ -174,6 +180,8 @@ def train_command(args, impl: str, shape: dict, data_dir: str, result_file: str,
         model = ["--user-dir", USER_DIR, "--arch", "transformer_lm_megatron",
                  *dims, "--criterion", "vocab_parallel_cross_entropy",
                  "--model-parallel-size", model_parallel_size]
+        if args.pipeline_model_parallel_size > 1:
+            model += ["--pipeline-model-parallel-size", args.pipeline_model_parallel_size]
         if args.sequence_parallel:
             model.append("--sequence-parallel")
         if args.compile_layers:
@@ -194,13 +202,19 @@ def train_command(args, impl: str, shape: dict, data_dir: str, result_file: str,
         "--optimizer", args.optimizer, *(["--adam-betas", "(0.9, 0.98)"] if args.optimizer == "adam" else []),
         "--lr", "1e-4",
         "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "10", *precision,
-        "--batch-size", shape["batch"], "--max-update", args.updates,
+        "--batch-size", shape["batch"], "--update-freq", _update_freq(args), "--max-update", args.updates,
         "--log-interval", args.log_interval, "--log-format", "json",
         *(["--save-dir", save_dir, "--no-epoch-checkpoints"] if save_dir else ["--no-save"]),
         "--disable-validation", "--num-workers", "2" if use_cuda else "0", "--seed", "1",
         *([] if use_cuda else ["--cpu"]), *shlex.split(args.extra),
     ]
-    return _launcher(model_parallel_size) + [os.path.abspath(__file__), "--fairseq-train-child", result_file, "--"] + [str(a) for a in train]
+    return _launcher(_processes(args, impl)) + [os.path.abspath(__file__), "--fairseq-train-child", result_file,
+                                                "--"] + [str(a) for a in train]
+
+
+def _update_freq(args) -> int:
+    """``--update-freq``, by default one micro-batch per update, or per pipeline stage (1F1B's least)."""
+    return args.update_freq or args.pipeline_model_parallel_size
 
 
 def run_child(result_file: str, train_argv) -> None:
@@ -414,13 +428,17 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
     multiple = 8 * model_parallel_size  # fairseq-preprocess pads to 8; our model to 8 x its size
     params = count_params(shape, padded_vocab(shape["vocab"], multiple))
     flops_per_token = model_shape(shape, padded_vocab(shape["vocab"], multiple)).flops_per_token()
-    if model_parallel_size == 1 and logged_params is not None and logged_params != params:
+    if _processes(args, impl) == 1 and logged_params is not None and logged_params != params:  # one rank: all
         raise SystemExit(f"error: shape formula gives {params} parameters, fairseq logged {logged_params}")
     tokens_per_s = statistics.median(wps[-3:])
     tflops = tokens_per_s * flops_per_token / 1e12
     eval_lm = run_eval_lm(args, impl, shape, data_dir, save_dir, use_cuda, model_parallel_size) if save_dir else {}
     precision = _precision(args, impl, use_cuda)
     label = f"{'ours' if impl == 'megatron' else 'fairseq'} {args.shape} mp{model_parallel_size} {precision}"
+    if impl == "megatron" and args.pipeline_model_parallel_size > 1:
+        label += f" pp{args.pipeline_model_parallel_size}"
+    if _update_freq(args) > 1:
+        label += f" x{_update_freq(args)} micro-batches"
     if impl == "megatron" and args.sequence_parallel:
         label += " sp"
     if impl == "megatron" and args.compile_layers:
@@ -609,6 +627,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     p.add_argument("--model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline stages of our model (one process per stage and model part)")
+    p.add_argument("--update-freq", type=int,
+                   help="micro-batches per update (default: 1, or the pipeline size); tokens/s counts them all")
     p.add_argument("--with-fairseq", action="store_true", help="also time fairseq's own transformer_lm")
     p.add_argument("--only-fairseq", action="store_true", help="time only fairseq's transformer_lm")
     p.add_argument("--only-anchor", action="store_true", help="time only the --with-anchor GPT")
@@ -653,7 +675,8 @@ def main(argv=None):
         p.error("--png draws the rows of --csv; pass --csv too")
     if args.with_anchor and not os.path.isfile(args.with_anchor):
         p.error(f"--with-anchor: no such file: {args.with_anchor}")
-    for name in ("model_parallel_size", "batch_size", "seq_len", "updates", "log_interval", "eval_batch_size"):
+    for name in ("model_parallel_size", "pipeline_model_parallel_size", "update_freq", "batch_size", "seq_len",
+                 "updates", "log_interval", "eval_batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:  # 0 was a ZeroDivisionError, or ignored
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.eval_lm_tokens < 0 or args.context_window < 0 or args.peak_tflops <= 0:
@@ -685,9 +708,10 @@ def main(argv=None):
     args.precision = args.precision or ("fp16" if use_cuda else "fp32")
     if not use_cuda and args.precision not in ("fp32", "bf16-autocast"):
         p.error(f"--precision {args.precision} needs a GPU")
-    if use_cuda and args.model_parallel_size > torch.cuda.device_count():
-        p.error(f"--model-parallel-size {args.model_parallel_size} needs that many GPUs; "
-                f"this machine has {torch.cuda.device_count()}")
+    gpus = args.model_parallel_size * args.pipeline_model_parallel_size
+    if use_cuda and gpus > torch.cuda.device_count():
+        p.error(f"--model-parallel-size {args.model_parallel_size} x --pipeline-model-parallel-size "
+                f"{args.pipeline_model_parallel_size} needs {gpus} GPUs; this machine has {torch.cuda.device_count()}")
     device = torch.cuda.get_device_name() if use_cuda else "CPU"
     try:
         os.makedirs(args.work_dir, exist_ok=True)

@@ -12,6 +12,12 @@ On 2 CPU processes (torchrun, gloo), with no download:
 and compares the perplexities with the unigram baseline.
 
     python scripts/demo.py [--work-dir demo_work] [--max-update 400]
+        [--model-parallel-size 2] [--pipeline-model-parallel-size 1]
+
+With ``--pipeline-model-parallel-size P`` each update's 16 sequences are
+trained as P micro-batches of 16 / P (``--update-freq P``) through P
+pipeline stages, one process per stage and model part; fairseq-eval-lm
+then loads the stage files at one stage.
 """
 
 import argparse
@@ -67,13 +73,23 @@ def eval_ppl(eval_log: str) -> float:
     return float(found[-1][1])
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", default="demo_work")
     parser.add_argument("--max-update", type=int, default=400)
     parser.add_argument("--corpus-mb", type=float, default=3.0)
     parser.add_argument("--model-parallel-size", type=int, default=2)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
+    stages = args.pipeline_model_parallel_size
+    if stages < 1 or 16 % stages or 4 % stages:
+        parser.error(f"--pipeline-model-parallel-size {stages}: the demo's 4 layers and 16 sequences per update "
+                     f"split over 1, 2 or 4 stages")
 
     start = time.time()
     work = os.path.abspath(args.work_dir)
@@ -83,7 +99,8 @@ def main(argv=None):
     os.makedirs(work, exist_ok=True)
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     py = sys.executable
-    nproc = args.model_parallel_size
+    size = args.model_parallel_size
+    nproc = size * stages
 
     print("[1/4] corpus: docstrings of the Python standard library", flush=True)
     corpus, unigram_ppl = make_corpus.main(
@@ -96,8 +113,8 @@ def main(argv=None):
          "--testpref", f"{text_dir}/test.txt", "--destdir", bin_dir,
          "--nwordssrc", str(VOCAB_SIZE), "--workers", "2"], os.path.join(work, "preprocess.log"), env)
 
-    print(f"[3/4] train: transformer_lm_megatron_11b (4 x 256), model-parallel size {nproc} "
-          f"on {nproc} CPU processes", flush=True)
+    layout = f"model-parallel size {size}" + (f" x {stages} pipeline stages" if stages > 1 else "")
+    print(f"[3/4] train: transformer_lm_megatron_11b (4 x 256), {layout} on {nproc} CPU processes", flush=True)
     user_dir = fairseq_megatron.USER_DIR
     train_log = run([
         py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
@@ -105,8 +122,9 @@ def main(argv=None):
         "--task", "language_modeling", "--arch", "transformer_lm_megatron_11b",
         "--decoder-layers", "4", "--decoder-embed-dim", "256", "--decoder-ffn-embed-dim", "1536",
         "--decoder-attention-heads", "8", "--share-decoder-input-output-embed",
-        "--criterion", "vocab_parallel_cross_entropy", "--model-parallel-size", str(nproc),
-        "--sample-break-mode", "none", "--tokens-per-sample", "128", "--batch-size", "16",
+        "--criterion", "vocab_parallel_cross_entropy", "--model-parallel-size", str(size),
+        "--pipeline-model-parallel-size", str(stages), "--update-freq", str(stages),
+        "--sample-break-mode", "none", "--tokens-per-sample", "128", "--batch-size", str(16 // stages),
         "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01", "--clip-norm", "1.0",
         "--lr", "0.002", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100",
         "--max-update", str(args.max_update), "--validate-interval-updates", "200",
@@ -116,12 +134,12 @@ def main(argv=None):
     parts = sorted(f for f in os.listdir(ckpt_dir) if "model_part" in f)
     print(f"  part checkpoints: {', '.join(parts)}", flush=True)
 
-    print(f"[4/4] evaluate: fairseq-eval-lm on the test split, model-parallel size {nproc}", flush=True)
+    print(f"[4/4] evaluate: fairseq-eval-lm on the test split, model-parallel size {size}", flush=True)
     eval_log = run([
-        py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+        py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(size),
         "-m", "fairseq_cli.eval_lm", bin_dir, "--user-dir", user_dir, "--cpu",
         "--task", "language_modeling", "--path", os.path.join(ckpt_dir, "checkpoint_best.pt"),
-        "--model-parallel-size", str(nproc), "--gen-subset", "test",
+        "--model-parallel-size", str(size), "--gen-subset", "test",
         "--sample-break-mode", "none", "--tokens-per-sample", "128", "--context-window", "64",
         "--batch-size", "16",
     ], os.path.join(work, "eval.log"), env)

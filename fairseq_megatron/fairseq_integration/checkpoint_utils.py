@@ -66,6 +66,7 @@ from fairseq_megatron.checkpoint import commit
 from fairseq_megatron.checkpoint.commit import manifest_path, remove_stale, staged_name, write_manifest
 from fairseq_megatron.checkpoint.layout import CheckpointError
 from fairseq_megatron.checkpoint.part_files import (
+    all_files,
     can_be_memory_mapped,
     check_complete,
     check_integrity,
@@ -164,12 +165,13 @@ def _refuse_one_part_as(flag: str, path: str) -> None:
     ``--finetune-from-model`` loaded that one part on every rank.
 
     Raises:
-        UsageError: ``path`` names one part file of a checkpoint in parts.
+        UsageError: ``path`` names one part file (or one pipeline stage's
+            file) of a checkpoint in several files.
     """
     checkpoint = checkpoint_of_part(path)
-    num_parts = len(_existing_part_files(checkpoint)) if checkpoint else 0
-    if num_parts > 1:
-        raise UsageError(f"{flag} {path} is one of {num_parts} model part files: pass the checkpoint's name, "
+    num_files = len(all_files(_existing_part_files(checkpoint))) if checkpoint else 0
+    if num_files > 1:
+        raise UsageError(f"{flag} {path} is one of {num_files} model part files: pass the checkpoint's name, "
                          f"{flag} {checkpoint} (fairseq adds -model_part-K for each rank)")
 
 
@@ -428,9 +430,11 @@ def checkpoint_for_rank(trainer, filename: str, reset_optimizer: bool) -> str:
     if state is None:
         raise UsageError(f"{path} does not hold a model-parallel transformer LM of fairseq_megatron: "
                          f"it cannot be split into model parts")
-    # rows unknown above for files saved by PyTorch < 1.6 (not memory-mapped)
-    _check_vocabulary(trainer, state["model"]["decoder.embed_tokens.weight"].size(0) * size,
-                      config_value(model_config(state), "dictionary_size"), path, size)
+    # rows unknown above for files saved by PyTorch < 1.6 (not memory-mapped); a middle stage has no embedding
+    embedding = state["model"].get("decoder.embed_tokens.weight")
+    if embedding is not None:
+        _check_vocabulary(trainer, embedding.size(0) * size, config_value(model_config(state), "dictionary_size"),
+                          path, size)
     return CheckpointInMemory(files[0], _ema_from_the_weights(state, path) if store_ema else state)
 
 

@@ -34,6 +34,13 @@ What it does differently from fairseq's trainer, and why:
   from one rank with ``broadcast_object``, which names the source by its rank
   in the group where torch takes a global one: "Global rank 0 is not part of
   group" at model and data parallelism).
+- Pipeline stages (``--pipeline-model-parallel-size``): an update's
+  samples go through torch's 1F1B schedule as micro-batches
+  (:mod:`fairseq_megatron.training.pipeline_schedule`): for the length of
+  fairseq's ``train_step`` and ``valid_step`` the task's per-sample steps
+  are the schedule's; the data-parallel group and size are this package's
+  (fairseq knows only the tensor-parallel size, and would take the other
+  stages for model copies); each stage's files are ``-model_part-K-stage-S``.
 - Initial weights are drawn only if no checkpoint fills them
   (:class:`fairseq_megatron.modules.sharding.DeferredInitialisation`).
 - Data-parallel wrapping on CPU (fairseq passed a GPU device id to torch's

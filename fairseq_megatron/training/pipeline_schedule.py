@@ -39,19 +39,16 @@ fairseq's fp16 wrappers record that gradients are new.
 """
 
 import contextlib
-import logging
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from fairseq import utils
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.parallel import parallel_state
-
-logger = logging.getLogger(__name__)
-
 
 def _rows(sample) -> int:
     if not sample or "net_input" not in sample:
@@ -91,7 +88,8 @@ def stack_micro_batches(samples: List[Optional[dict]], micro_batches: int, rows:
         ntokens += int(sample["ntokens"])
         nsentences += b
     stacked = {
-        "id": torch.cat([s["id"] for s in real]) if real else torch.zeros(0, dtype=torch.long),
+        "id": torch.cat([torch.as_tensor(s["id"]).reshape(-1) for s in real]) if real else
+        torch.zeros(0, dtype=torch.long),
         "nsentences": nsentences,
         "ntokens": ntokens,
         "net_input": {"src_tokens": tokens, "src_lengths": tokens.ne(pad).sum(1)},
@@ -182,7 +180,9 @@ class PipelineSchedule:
 
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False, **kwargs):
         """fairseq's ``FairseqTask.train_step`` for the update's stacked
-        micro-batches: forward and backward through the schedule. Returns
+        micro-batches: forward and backward through the schedule (on this
+        schedule's stage; ``model`` is the trainer's, possibly wrapped for
+        data parallelism, which all-reduces the gradients afterwards). Returns
         ``(loss, sample_size, logging_output)``, the same on every stage."""
         self.model.train()
         self.model.set_num_updates(update_num)
@@ -212,9 +212,7 @@ class PipelineSchedule:
                            "net_input": {"src_tokens": tokens[i: i + self.rows].cpu()},
                            "target": target[i: i + self.rows].cpu()}
                           for i in range(start, min(start + capacity, tokens.size(0)), self.rows)]
-                batch = self.micro_batches_of(pieces)
-                batch = {k: (v.to(tokens.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
-                batch["net_input"] = {k: v.to(tokens.device) for k, v in batch["net_input"].items()}
+                batch = utils.apply_to_sample(lambda t: t.to(tokens.device), self.micro_batches_of(pieces))
                 loss = self._run(batch, criterion, lambda value: value, train=False)
                 total = loss if total is None else total + loss
         stats = {"ntokens": int(sample["ntokens"]), "nsentences": tokens.size(0)}

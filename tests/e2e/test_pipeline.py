@@ -27,12 +27,12 @@ from tests.helpers import fairseq
 pytestmark = pytest.mark.slow
 
 
-def _train(data, save_dir, stages, max_update):
+def _train(data, save_dir, stages, max_update, *extra):
     args = [data, "--user-dir", USER_DIR, "--cpu", *MODEL, "--criterion", "vocab_parallel_cross_entropy",
             "--batch-size", "4", "--update-freq", "2", "--optimizer", "adam", "--lr", "0.001", "--clip-norm", "1.0",
             "--max-update", str(max_update), "--save-dir", str(save_dir), "--no-epoch-checkpoints",
             "--validate-interval-updates", "2", "--log-format", "simple", "--log-interval", "1", "--seed", "3",
-            "--dropout", "0", "--attention-dropout", "0", "--pipeline-model-parallel-size", str(stages)]
+            "--dropout", "0", "--attention-dropout", "0", "--pipeline-model-parallel-size", str(stages), *extra]
     _, log = fairseq("train", args, nproc=stages if stages > 1 else None)
     assert f"training on {stages} devices" in log, log[-3000:]
     return log
@@ -102,3 +102,22 @@ def test_eval_lm_loads_the_stages_at_one_stage(runs, trained):
     assert eval_loss(from_stages) == eval_loss(from_one_file)
     _, one_stage_run = fairseq("eval_lm", eval_args(trained["data"], str(root / "pp1" / "checkpoint_last.pt"), 1))
     assert abs(eval_loss(from_stages) - eval_loss(one_stage_run)) <= 1e-3 * eval_loss(one_stage_run)
+    stage_file = str(root / "pp2" / "checkpoint_last-model_part-0-stage-1.pt")
+    rc, one_file = fairseq("eval_lm", eval_args(trained["data"], stage_file, 1), check=False)
+    assert rc == 1 and f"error: --path {stage_file} is one of 2 model part files: pass the checkpoint's name, " \
+                       f"--path {path}" in one_file, one_file[-2000:]
+
+
+def test_fine_tuning_splits_a_one_stage_checkpoint_into_stages(runs, trained, tmp_path):
+    """--finetune-from-model of the one-stage run's checkpoint at 2 stages:
+    each rank builds its stage in memory and training starts from those
+    weights: its first loss is below the first loss of the runs that started
+    from the initial weights."""
+    root, logs = runs
+    log = _train(trained["data"], tmp_path / "tuned", 2, 1, "--finetune-from-model",
+                 str(root / "pp1" / "checkpoint_last.pt"))
+    assert "1 model part(s), loaded at model-parallel size 1 x 2 pipeline stages: part 0 of stage 0 resharded " \
+           "in memory" in log, log[-3000:]
+    assert _curve(log)[0][1][0] < _curve(logs[1][0])[0][1][0] - 0.5
+    assert sorted(os.listdir(tmp_path / "tuned"))[:2] == ["checkpoint_best-model_part-0-stage-0.pt",
+                                                         "checkpoint_best-model_part-0-stage-1.pt"]

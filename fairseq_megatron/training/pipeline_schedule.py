@@ -45,7 +45,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from fairseq import utils
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.parallel import parallel_state
@@ -138,7 +137,12 @@ class PipelineSchedule:
         """The update's samples as one batch of :attr:`micro_batches` (:func:`stack_micro_batches`)."""
         return stack_micro_batches(samples, self.micro_batches, self.rows, self.length, self.pad)
 
-    def _built(self, device: torch.device) -> Schedule1F1B:
+    def _built(self, device: torch.device):
+        """torch's ``Schedule1F1B`` over this stage, made at the first step
+        (its module is imported here: importing it takes about a second,
+        which every process of every fairseq tool would otherwise pay)."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
         if self._schedule is None:
             stage = PipelineStage(_StageModule(self.model.decoder), self.stage.stage, self.stage.stages, device,
                                   group=self.group)

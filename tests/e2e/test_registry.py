@@ -24,3 +24,16 @@ def test_importing_the_package_leaves_logging_and_warnings_alone():
              "root = logging.getLogger(); print(logging.getLevelName(root.level), len(root.handlers))")
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert run.stdout == "INFO 1\n", (run.stdout, run.stderr)
+
+
+def test_importing_the_package_does_not_import_torch_pipelining():
+    """torch.distributed.pipelining takes about a second to import, and every
+    process of every fairseq tool imports this package; only a pipelined
+    training run needs it, and imports it when it builds its schedule."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, fairseq_megatron; from fairseq_megatron.fairseq_integration import trainer; "
+             "print('torch.distributed.pipelining' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert run.stdout == "False\n", (run.stdout, run.stderr[-2000:])

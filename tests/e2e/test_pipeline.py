@@ -1,7 +1,7 @@
 """fairseq-train with --pipeline-model-parallel-size 2 as a user runs it
 (2 processes under torchrun), against the same command at one stage: the
-same losses, gradient norms and validation losses per update, a resumed run
-that continues the same curve, stage files under the commit rule, and
+same losses, gradient norms and validation losses per update, also after
+resuming (the one-stage run goes through without stopping), stage files under the commit rule, and
 fairseq-eval-lm loading the stages at one stage.
 
 Tolerances: fairseq-train prints losses and norms to 3 decimals and the two
@@ -56,24 +56,26 @@ def _close(a, b):
 
 @pytest.fixture(scope="module")
 def runs(trained, tmp_path_factory):
-    """Two stages and one, 4 updates, then both resumed to 6."""
+    """Two stages for 4 updates, then resumed to 6; one stage for 6 updates."""
     root = tmp_path_factory.mktemp("pipeline")
-    logs = {}
-    for stages in (2, 1):
-        save_dir = root / f"pp{stages}"
-        logs[stages] = (_train(trained["data"], save_dir, stages, 4), _train(trained["data"], save_dir, stages, 6))
+    logs = {2: [_train(trained["data"], root / "pp2", 2, max_update) for max_update in (4, 6)],
+            1: _train(trained["data"], root / "pp1", 1, 6)}
     return root, logs
+
+
+def _updates(curve, first, last):
+    return {u: v for u, v in curve.items() if first <= u <= last}
 
 
 def test_two_stages_train_as_one(runs):
     root, logs = runs
-    for two_stages, one_stage in zip(logs[2], logs[1]):  # the first run, then the resumed one
-        train2, valid2 = _curve(two_stages)
-        train1, valid1 = _curve(one_stage)
-        _close(train2, train1)
-        _close(valid2, valid1)
-    assert sorted(_curve(logs[2][0])[0]) == [1, 2, 3, 4] and sorted(_curve(logs[2][1])[0]) == [5, 6]
-    assert sorted(_curve(logs[2][1])[1]) == [6]  # the resumed run validated at its own interval
+    train1, valid1 = _curve(logs[1])
+    assert sorted(train1) == [1, 2, 3, 4, 5, 6] and sorted(valid1) == [2, 4, 6]
+    for log, (first, last) in zip(logs[2], ((1, 4), (5, 6))):  # the first run, then the resumed one
+        train2, valid2 = _curve(log)
+        assert sorted(train2) == list(range(first, last + 1))
+        _close(train2, _updates(train1, first, last))
+        _close(valid2, _updates(valid1, first, last))
 
 
 def test_stage_files_hold_their_stages_and_commit(runs):
@@ -118,6 +120,6 @@ def test_fine_tuning_splits_a_one_stage_checkpoint_into_stages(runs, trained, tm
                  str(root / "pp1" / "checkpoint_last.pt"))
     assert "1 model part(s), loaded at model-parallel size 1 x 2 pipeline stages: part 0 of stage 0 resharded " \
            "in memory" in log, log[-3000:]
-    assert _curve(log)[0][1][0] < _curve(logs[1][0])[0][1][0] - 0.5
+    assert _curve(log)[0][1][0] < _curve(logs[1])[0][1][0] - 0.5
     assert sorted(os.listdir(tmp_path / "tuned"))[:2] == ["checkpoint_best-model_part-0-stage-0.pt",
                                                          "checkpoint_best-model_part-0-stage-1.pt"]

@@ -19,11 +19,12 @@ State travels on objects (the trainer, the task, the model, the datasets).
 The module-level state that changes at run time, each where nothing can
 carry it instead:
 
-- the process groups (:mod:`fairseq_megatron.parallel.parallel_state`, kept
-  by fairscale) and the RNG tracker (:mod:`fairseq_megatron.parallel.rng_tracker`):
+- the process groups (:mod:`fairseq_megatron.parallel.parallel_state`) and
+  the RNG tracker (:mod:`fairseq_megatron.parallel.rng_tracker`):
   Megatron's process-wide API, which fairseq imports as ``mpu``;
-- ``modules.sharding._deferred``: the layers' constructors, called by
-  fairseq's decoder, take no argument that could say "defer your draws";
+- ``modules.sharding._deferred`` and ``_discarding``: the layers'
+  constructors, called by fairseq's decoder, take no argument that could say
+  "defer your draws" or "discard them";
 - ``modules.vocab_parallel_cross_entropy._COMPILED``: the compiled kernels, built once;
 - ``fairseq_integration.patching.REPLACEMENTS`` and
   ``fairseq_integration._INSTALLED``: the replacements of fairseq functions,

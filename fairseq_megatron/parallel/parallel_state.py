@@ -129,7 +129,7 @@ def initialize_model_parallel(model_parallel_size: int, pipeline_model_parallel_
     :class:`ParallelLayout`; any groups built before are forgotten first.
 
     Every rank creates every group, in the same order (``dist.new_group``
-    is collective over the whole world). ``model_parallel_size`` is the
+    is collective over the whole world), and returns once all of them have. ``model_parallel_size`` is the
     tensor-parallel size ``T`` (fairseq's ``--model-parallel-size``; fairseq
     calls this function with it alone). Mirrors Megatron-LM's
     ``mpu.initialize_model_parallel``.
@@ -166,6 +166,10 @@ def initialize_model_parallel(model_parallel_size: int, pipeline_model_parallel_
         embedding=mine(layout.embedding_groups()),
         pipeline_ranks=pipeline_ranks,
     )
+    # Leave together: a rank that fails right after (a bad option its tool checks at the start) closed its
+    # connections while a slower rank was still opening them, which then failed in gloo's connect instead
+    # of reporting that option.
+    dist.barrier()
 
 
 def destroy_model_parallel() -> None:

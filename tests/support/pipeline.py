@@ -90,6 +90,7 @@ def train(rank, world_size, tensor, stages, micro_batches, layers, updates, extr
     (as the trainer computed them), this rank's coordinates and parameter
     names, the tied embedding's digest on the stages that hold it, and at
     the end its parameters and their last gradients."""
+    torch.set_num_threads(1)  # up to 4 ranks share the machine's cores; the model is tiny
     trainer = build(tensor, stages, micro_batches, layers, extra)
     trainer.get_model().run_deferred_initialisation()
     norms, losses, embedding_digests = [], [], []

@@ -116,6 +116,7 @@ def test_stages_match_one_stage(tmp_path):
         _compare(control, reference)
 
 
+@pytest.mark.slow
 def test_tensor_and_pipeline_with_checkpointing_and_sequence_parallel(tmp_path):
     extra = ("--checkpoint-activations", "--sequence-parallel")
     results = _run(tmp_path, "tp_pp", 2, 2, extra=extra, updates=SHORT)
@@ -124,6 +125,7 @@ def test_tensor_and_pipeline_with_checkpointing_and_sequence_parallel(tmp_path):
     _compare(results, _run(tmp_path, "tp", 2, 1, extra=extra, updates=SHORT))
 
 
+@pytest.mark.slow
 def test_data_and_pipeline(tmp_path):
     results = _run(tmp_path, "dp_pp", 1, 2, data=2, updates=SHORT)
     _check_split(results, 1, 2, 2)
@@ -131,6 +133,7 @@ def test_data_and_pipeline(tmp_path):
     _compare(results, _run(tmp_path, "dp", 1, 1, data=2, updates=SHORT))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("half", sorted(HALF))
 def test_half_precision(tmp_path, half):
     """fp16 weights with fairseq's loss scaler, and fp32 weights under bf16

@@ -86,7 +86,7 @@ def stack_micro_batches(samples: List[Optional[dict]], micro_batches: int, rows:
         target[i * rows: i * rows + b, : tgt.size(1)] = tgt
         ntokens += int(sample["ntokens"])
         nsentences += b
-    stacked = {
+    return {
         "id": torch.cat([torch.as_tensor(s["id"]).reshape(-1) for s in real]) if real else
         torch.zeros(0, dtype=torch.long),
         "nsentences": nsentences,
@@ -94,7 +94,6 @@ def stack_micro_batches(samples: List[Optional[dict]], micro_batches: int, rows:
         "net_input": {"src_tokens": tokens, "src_lengths": tokens.ne(pad).sum(1)},
         "target": target,
     }
-    return stacked
 
 
 class _StageModule(nn.Module):
@@ -139,8 +138,8 @@ class PipelineSchedule:
 
     def _built(self, device: torch.device):
         """torch's ``Schedule1F1B`` over this stage, made at the first step
-        (its module is imported here: importing it takes about a second,
-        which every process of every fairseq tool would otherwise pay)."""
+        (its module is imported here: its import is slow, and every process
+        of every fairseq tool would otherwise pay for it)."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
         if self._schedule is None:

@@ -27,7 +27,7 @@ def test_importing_the_package_leaves_logging_and_warnings_alone():
 
 
 def test_importing_the_package_does_not_import_torch_pipelining():
-    """torch.distributed.pipelining takes about a second to import, and every
+    """torch.distributed.pipelining is slow to import, and every
     process of every fairseq tool imports this package; only a pipelined
     training run needs it, and imports it when it builds its schedule."""
     import subprocess

@@ -93,21 +93,14 @@ def _stages_on_disk(path: str) -> dict:
 
 
 def stage_files(part: str) -> List[str]:
-    """The files of the tensor part that ``part`` names, stage by stage:
-    ``[part]`` for a part without stages, all stages of a stage-0 file.
-
-    Raises:
-        CheckpointError: a stage file is missing.
-    """
+    """The files of the tensor part that ``part`` (from :func:`find_part_files`,
+    which checked that no stage is missing) names, stage by stage: ``[part]``
+    for a part without stages, all stages of a stage-0 file."""
     m = _PART_NAME.fullmatch(part)
     if not m or m.group(3) is None:
         return [part]
     checkpoint, rank = m.group(1) + ".pt", int(m.group(2))
-    stages = _stages_on_disk(checkpoint).get(rank, [])
-    missing = sorted(set(range(stages[-1] + 1 if stages else 1)) - set(stages))
-    if missing:
-        raise CheckpointError(f"pipeline stage file {stage_path(checkpoint, rank, missing[0])} is missing")
-    return [stage_path(checkpoint, rank, s) for s in stages]
+    return [stage_path(checkpoint, rank, s) for s in _stages_on_disk(checkpoint).get(rank, [])]
 
 
 def all_files(files: List[str]) -> List[str]:

@@ -323,7 +323,7 @@ class PartFiles:
         """Every part's checkpoint dict (its stages merged), tensors memory-mapped."""
         if self._kept is not None:
             return list(self._kept)
-        return [merge_stages([_load(f) for f in stage_files(part)], stage_files(part)) for part in self.files]
+        return [merge_stages([_load(f) for f in files], files) for files in map(stage_files, self.files)]
 
     def models(self) -> List[Dict[str, torch.Tensor]]:
         return [state["model"] for state in self.checkpoints()]

@@ -542,12 +542,12 @@ def _save_committed(write, part: str, token: str, updates: int) -> None:
     removed and the previous save left under the name."""
     staged = staged_name(part, token)
     checkpoint = checkpoint_of_part(part)
-    size = parallel_state.get_tensor_model_parallel_world_size()
-    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    layout = parallel_state.get_parallel_layout()
     first = parallel_state.rank(parallel_state.get_model_parallel_group()) == 0
     try:
         _on_every_rank(lambda: write(staged), _failed_on_a_rank(f"saving {checkpoint}"))
-        _on_every_rank(lambda: write_manifest(checkpoint, token, updates, output_paths(checkpoint, size, stages))
+        _on_every_rank(lambda: write_manifest(checkpoint, token, updates,
+                                              output_paths(checkpoint, layout.tensor, layout.pipeline))
                        if first else None,
                        _failed_on_a_rank(f"committing the save of {checkpoint}"))
     except BaseException:
@@ -625,9 +625,8 @@ def save_checkpoint_of_model_parts(cfg, trainer, epoch_itr, val_loss, best_holde
 
     checkpoints = [os.path.join(cfg.save_dir, name) for name, cond in conds.items() if cond]
     saved = None
-    model_parallel = (parallel_state.get_tensor_model_parallel_world_size()
-                      * parallel_state.get_pipeline_model_parallel_world_size())
-    committed = model_parallel > 1 and "://" not in cfg.save_dir and not cfg.write_checkpoints_asynchronously
+    layout = parallel_state.get_parallel_layout()
+    committed = layout.tensor * layout.pipeline > 1 and "://" not in cfg.save_dir and not cfg.write_checkpoints_asynchronously
     if checkpoints and committed:  # every file a commit of all parts (see _save_committed)
         token = [commit.new_token()]  # model-parallel rank 0's, sent to the others
         group = parallel_state.get_model_parallel_group()

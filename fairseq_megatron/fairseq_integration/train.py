@@ -70,9 +70,9 @@ def main(cfg, **kwargs):
     check_directory_can_be_made(cfg.checkpoint.save_dir, f"--save-dir {cfg.checkpoint.save_dir}")
     size, stages, world = cfg.common.model_parallel_size, pipeline_stages(cfg.model), parallel_state.world_size(None)
     check_processes(size, world, stages)
-    parallel_state.ParallelLayout(world, size, stages)  # a world size that T x P does not divide
+    layout = parallel_state.ParallelLayout(world, size, stages)  # refuses a world size that T x P does not divide
     check_data_parallel_backend(cfg.distributed_training.ddp_backend, size, cfg.common.cpu)
-    check_pipeline_data_parallel_backend(cfg.distributed_training.ddp_backend, stages, world // (size * stages))
+    check_pipeline_data_parallel_backend(cfg.distributed_training.ddp_backend, stages, layout.data)
     check_training_precision(cfg.common)
     # fairseq's main makes --save-dir on the master rank only
     made = directories_missing(cfg.checkpoint.save_dir) if distributed_utils.is_master(

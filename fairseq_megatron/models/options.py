@@ -301,10 +301,9 @@ def check_pipeline_options(args) -> None:
         raise UsageError(f"--pipeline-model-parallel-size {stages}: the number of pipeline stages is at least 1")
     if stages == 1:
         return
-    layers = int(args.decoder_layers)
-    if layers % stages:
-        raise UsageError(f"--decoder-layers {layers} is not divisible by --pipeline-model-parallel-size {stages} "
-                         f"(each stage holds the same number of layers)")
+    from fairseq_megatron.models.pipeline_stage import PipelineStageLayout
+
+    PipelineStageLayout(0, stages, int(args.decoder_layers), tied_embeddings=False)  # refuses an uneven split
     micro_batches = safe_getattr(args, "update_freq", None)
     if micro_batches is not None and max(micro_batches) < stages:
         raise UsageError(f"--update-freq {max(micro_batches)} is below --pipeline-model-parallel-size {stages}: "

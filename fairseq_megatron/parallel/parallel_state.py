@@ -117,7 +117,6 @@ class _Groups:
     data: ProcessGroup
     model: ProcessGroup
     embedding: ProcessGroup
-    pipeline_ranks: List[int]  # global ranks of this rank's pipeline group, stage order
 
 
 _groups: Optional[_Groups] = None
@@ -156,7 +155,6 @@ def initialize_model_parallel(model_parallel_size: int, pipeline_model_parallel_
         return found
 
     destroy_model_parallel()
-    pipeline_ranks = next(g for g in layout.pipeline_parallel_groups() if me in g)
     _groups = _Groups(
         layout=layout,
         tensor=mine(layout.tensor_parallel_groups()),
@@ -164,7 +162,6 @@ def initialize_model_parallel(model_parallel_size: int, pipeline_model_parallel_
         data=mine(layout.data_parallel_groups()),
         model=mine(layout.model_parallel_groups()),
         embedding=mine(layout.embedding_groups()),
-        pipeline_ranks=pipeline_ranks,
     )
     # Leave together: a rank that fails right after (a bad option its tool checks at the start) closed its
     # connections while a slower rank was still opening them, which then failed in gloo's connect instead
@@ -287,7 +284,7 @@ def get_pipeline_model_parallel_rank() -> int:
 def get_pipeline_model_parallel_ranks() -> List[int]:
     """The global ranks of this rank's pipeline group, in stage order."""
     if _groups is not None:
-        return list(_groups.pipeline_ranks)
+        return dist.get_process_group_ranks(_groups.pipeline)
     return [dist.get_rank() if dist.is_available() and dist.is_initialized() else 0]
 
 

@@ -22,7 +22,7 @@ carry it instead:
 - the process groups (:mod:`fairseq_megatron.parallel.parallel_state`) and
   the RNG tracker (:mod:`fairseq_megatron.parallel.rng_tracker`):
   Megatron's process-wide API, which fairseq imports as ``mpu``;
-- ``modules.sharding._deferred`` and ``_discarding``: the layers'
+- ``modules.sharding._deferred`` and ``_may_be_loaded``: the layers'
   constructors, called by fairseq's decoder, take no argument that could say
   "defer your draws" or "discard them";
 - ``modules.vocab_parallel_cross_entropy._COMPILED``: the compiled kernels, built once;

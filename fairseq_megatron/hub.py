@@ -69,7 +69,8 @@ def from_pretrained(
         fairseq's ``GeneratorHubInterface`` (``sample``, ``generate``, ``score``, ...).
 
     Raises:
-        ValueError: the world size is not divisible by ``model_parallel_size``.
+        UsageError (a ValueError): the world size is not divisible by
+            ``model_parallel_size``, or a size above 1 in one process.
         FileNotFoundError: no checkpoint ``path``, whole or in parts.
         CheckpointError: parts missing or from different checkpoints, or a
             size that does not divide the model (a checkpoint saved at another
@@ -77,10 +78,8 @@ def from_pretrained(
             :func:`fairseq_megatron.checkpoint.resharding.resharded_model`).
     """
     init_distributed_from_env()
-    world = parallel_state.world_size(None)
-    size = model_parallel_size or world
-    if world > 1 and not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(size)  # size 1: each rank a whole model
+    size = model_parallel_size or (dist.get_world_size() if dist.is_initialized() else 1)
+    parallel_state.ensure_model_parallel(size)  # the layout, made once (size 1: each rank a whole model)
     if size > 1:
         model_parallel_manual_seed(seed)
     suffix = f"-model_part-{parallel_state.get_tensor_model_parallel_rank()}" if size > 1 else ""

@@ -24,6 +24,7 @@ from fairseq_megatron.models.model_parallel_transformer_lm import (
 )
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
+from fairseq_megatron.training.parallelize import parallelize
 
 # Small dims that still exercise every split: 8 heads and FFN 128 divide by 1, 2 and 4.
 DIMS = dict(
@@ -70,11 +71,16 @@ def model_args(model_parallel_size: int, **overrides) -> Namespace:
 
 
 def build_model(model_parallel_size: int, seed: int = 0, **overrides):
-    """Our model at the current group's size, initialised from ``seed``."""
+    """Our model at the current group's size, initialised from ``seed``,
+    with what training applies to it from outside (``MegatronTrainer`` does
+    the same: :func:`fairseq_megatron.training.parallelize.parallelize`):
+    activation checkpointing, compilation and autocast where the overrides
+    ask for them."""
     torch.manual_seed(seed)
     dictionary = make_dictionary()
     args = model_args(model_parallel_size, **overrides)
     model = ModelParallelTransformerLanguageModel.build_model(args, LMTask(dictionary))
+    parallelize(model, args)
     return model, dictionary
 
 

@@ -24,7 +24,7 @@ class VocabParallelCrossEntropyCriterion(CrossEntropyCriterion):
         target = model.get_targets(sample, net_output)
         decoder = model.decoder
         loss = vocab_parallel_cross_entropy(
-            net_output[0], target, ignore_index=self.padding_idx, group=decoder.tensor_model_parallel_group,
+            net_output[0], target, ignore_index=self.padding_idx, group=decoder.tensor_parallel,
             compiled=getattr(decoder, "compile_layers", False) and model.training,
         )
         loss = loss.sum() if reduce else loss.view(-1)

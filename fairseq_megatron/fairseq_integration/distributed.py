@@ -26,11 +26,14 @@ processes, and gathering on CPU.
   * fairseq-interactive spawned that way read /dev/null as standard input
     and answered nothing; the launching process now passes its standard
     input on to rank 0 through a named pipe given as ``--input``.
-  * With ``--user-dir`` of this package, a model-parallel size below 1 is
-    one error line (fairseq ran it as size 1), and each rank that torchrun
-    or fairseq's own spawn started ends when its launcher dies
-    (:func:`_exit_with_the_launcher`): the ranks of a torchrun killed with
-    SIGKILL trained on and wrote checkpoints.
+  * With ``--user-dir`` of this package, every process builds its parallel
+    layout once, from the configuration, before the tool's ``main``
+    (:func:`main_in_its_layout`): a size below 1 is one error line (fairseq
+    ran a model-parallel size of 0 as size 1), and so is a world size the
+    sizes do not divide; each rank that torchrun or fairseq's own spawn
+    started ends when its launcher dies (:func:`_exit_with_the_launcher`):
+    the ranks of a torchrun killed with SIGKILL trained on and wrote
+    checkpoints.
 
   These are the launch fixes that stock fairseq needs too on a machine
   without GPUs (see ``docs/fairseq-changes.md``).
@@ -40,6 +43,7 @@ processes, and gathering on CPU.
 """
 
 import contextlib
+import functools
 import os
 import socket
 import sys
@@ -49,9 +53,11 @@ import types
 import torch
 import torch.distributed as dist
 from fairseq.distributed import utils as distributed_utils
+from fairseq.utils import safe_getattr
 
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.fairseq_integration.patching import fairseq_tool, original, plugin_on_command_line, replace
+from fairseq_megatron.parallel import parallel_state
 
 _TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 
@@ -123,6 +129,25 @@ def _exit_with_the_launcher() -> None:
         os._exit(1)  # it died before the signal was asked for
 
 
+def launch_sizes(cfg):
+    """``(tensor, pipeline, context)`` parallel sizes of fairseq config
+    ``cfg``: ``--model-parallel-size`` and, where the model has them (our
+    architectures in fairseq-train), ``--pipeline-model-parallel-size`` and
+    ``--context-parallel-size``."""
+    model = getattr(cfg, "model", None)
+    return (cfg.common.model_parallel_size, int(safe_getattr(model, "pipeline_model_parallel_size", 1) or 1),
+            int(safe_getattr(model, "context_parallel_size", 1) or 1))
+
+
+def main_in_its_layout(main, cfg, **kwargs):
+    """``main(cfg, **kwargs)`` once this rank's parallel layout is built from
+    ``cfg`` (:func:`~fairseq_megatron.parallel.parallel_state.ensure_model_parallel`:
+    fairseq's ``distributed_init`` built it already at model-parallel size
+    > 1; a single process gets the single-process layout)."""
+    parallel_state.ensure_model_parallel(*launch_sizes(cfg))
+    return main(cfg, **kwargs)
+
+
 def _distributed_main_with_the_plugin(index: int, main, cfg, kwargs, exit_with_the_launcher: bool = False) -> None:
     """What each process that fairseq's launch spawns runs: fairseq's
     ``distributed_main``, after this module's import (the process unpickles
@@ -130,12 +155,14 @@ def _distributed_main_with_the_plugin(index: int, main, cfg, kwargs, exit_with_t
     bad-input errors end as one line here too (torch's spawn catches them
     before the excepthook would); the parent then reports the exit status.
     ``exit_with_the_launcher``: in a run of our models, see
-    :func:`_exit_with_the_launcher`."""
+    :func:`_exit_with_the_launcher` (the layout's sizes are then expected
+    as in :func:`call_main`)."""
     from fairseq_megatron.fairseq_integration.one_line_errors import printed_as_one_line
 
-    if exit_with_the_launcher:
-        _exit_with_the_launcher()
     try:
+        if exit_with_the_launcher:
+            _exit_with_the_launcher()
+            parallel_state.expect_layout(*launch_sizes(cfg))
         distributed_utils.distributed_main(index, main, cfg, kwargs)
     except Exception as e:
         if printed_as_one_line(e):
@@ -177,14 +204,18 @@ def call_main(cfg, main, **kwargs):
     inferred (without GPUs, by :func:`_infer_launch_without_gpus`), then the
     processes spawned with the plugin loaded, or ``main`` run here.
 
+    With ``--user-dir`` of this package, every process builds its parallel
+    layout from ``cfg`` once, before ``main`` runs (:func:`main_in_its_layout`),
+    and the sizes are checked here first.
+
     Raises:
-        UsageError: with ``--user-dir`` of this package, a model-parallel
-            size below 1; SLURM nodes that do not divide the world size.
+        UsageError: with ``--user-dir`` of this package, a parallel size
+            below 1; SLURM nodes that do not divide the world size.
     """
-    size = cfg.common.model_parallel_size
     ours = plugin_on_command_line()
-    if ours and size < 1:
-        raise UsageError(f"--model-parallel-size {size}: the number of model parts is at least 1")
+    if ours:
+        parallel_state.expect_layout(*launch_sizes(cfg))
+        main = functools.partial(main_in_its_layout, main)
     if ours and os.environ.get("TORCHELASTIC_RUN_ID"):  # a rank that torchrun started
         _exit_with_the_launcher()
     launch = cfg.distributed_training

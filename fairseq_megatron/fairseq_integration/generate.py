@@ -407,6 +407,7 @@ def main(cfg):
     from fairseq.distributed import utils as distributed_utils
 
     from fairseq_megatron.errors import check_directory_can_be_made
+    from fairseq_megatron.fairseq_integration.distributed import main_in_its_layout
 
     if not plugin_on_command_line():  # fairseq-generate without our --user-dir: fairseq's
         return original(_cli(), "main")(cfg)
@@ -415,7 +416,7 @@ def main(cfg):
     if cfg.common_eval.results_path is not None:  # before the model is loaded, or processes spawned
         check_directory_can_be_made(cfg.common_eval.results_path, f"--results-path {cfg.common_eval.results_path}")
     if dist.is_initialized():  # a caller started torch.distributed already
-        return generate_on_this_rank(cfg)
+        return main_in_its_layout(generate_on_this_rank, cfg)
     # in each process call_main starts, or here at world size 1
     return distributed_utils.call_main(cfg, generate_on_this_rank)
 
@@ -425,8 +426,6 @@ def generate_on_this_rank(cfg):
     rank 0 alone, through :func:`generate_over_data_parallel_groups` for
     several groups or a ``--results-path``."""
     fairseq_main = original(_cli(), "main")
-    if dist.is_initialized() and not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1)  # data parallelism alone: groups of one
     if cfg.common_eval.results_path is not None or (
             dist.is_initialized() and parallel_state.get_data_parallel_world_size() > 1):
         return generate_over_data_parallel_groups(fairseq_main, cfg)

@@ -11,7 +11,6 @@ groups made.
 """
 
 import contextlib
-import datetime
 import os
 
 import torch.distributed as dist
@@ -46,8 +45,8 @@ def buffered_read(input, buffer_size):
     generator of lists of lines); under torch.distributed only global rank 0
     reads ``input`` (a file, standard input, or the launcher's pipe) and
     broadcasts each list; the others receive the same lists, then ``None``
-    at the end. The broadcasts go over a gloo group of their own with a
-    week's timeout: rank 0 may wait for a person to type, and the default
+    at the end. The broadcasts go over the world's patient group (gloo, a
+    week's timeout): rank 0 may wait for a person to type, and the default
     group would time out.
 
     Only the ranks of data-parallel group 0 (rank 0's model-parallel group)
@@ -59,7 +58,7 @@ def buffered_read(input, buffer_size):
         yield from read(input, buffer_size)
         return
     answering = not parallel_state.model_parallel_is_initialized() or parallel_state.get_data_parallel_rank() == 0
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
+    group = parallel_state.get_patient_group()
     lines = read(input, buffer_size) if dist.get_rank() == 0 else None
     while True:
         box = [next(lines, None) if lines is not None else None]

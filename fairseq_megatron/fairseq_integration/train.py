@@ -4,11 +4,11 @@
   :func:`~fairseq_megatron.fairseq_integration.trainer.build_trainer`, which
   picks our :class:`~fairseq_megatron.fairseq_integration.trainer.MegatronTrainer`
   for our models at every model-parallel size and fairseq's classes otherwise.
-- ``main`` checks the launch before it writes anything: fairseq's ``main``
-  creates ``--save-dir`` (and writes a probe file into it) first, and only
-  building the model refused ``--model-parallel-size`` > 1 in one process
-  and ``--ddp-backend fully_sharded``, so both left an empty save dir
-  behind; ``--bf16`` without torch_xla and ``--fp16`` on CPU failed with
+- ``main`` checks the launch before it writes anything (the parallel
+  sizes were checked before it, where the layout is built): fairseq's
+  ``main`` creates ``--save-dir`` (and writes a probe file into it) first,
+  and only building the model refused ``--ddp-backend fully_sharded``, so it
+  left an empty save dir behind; ``--bf16`` without torch_xla and ``--fp16`` on CPU failed with
   tracebacks after building it; a ``--save-dir`` with a file in its path
   was "Not a directory: '<save-dir>/dummy'". (The model's own option checks
   already run while fairseq parses the command line.) The refusals that
@@ -52,10 +52,9 @@ def main(cfg, **kwargs):
     from fairseq_megatron.models.options import (
         check_data_parallel_backend,
         check_pipeline_data_parallel_backend,
-        check_processes,
         check_training_precision,
-        pipeline_stages,
     )
+    from fairseq_megatron.modules import sharding
     from fairseq_megatron.parallel import parallel_state
 
     run = original(_cli(), "main")
@@ -68,17 +67,17 @@ def main(cfg, **kwargs):
     if not is_model_parallel_arch(arch):
         return run(cfg, **kwargs)
     check_directory_can_be_made(cfg.checkpoint.save_dir, f"--save-dir {cfg.checkpoint.save_dir}")
-    size, stages, world = cfg.common.model_parallel_size, pipeline_stages(cfg.model), parallel_state.world_size(None)
-    check_processes(size, world, stages)
-    layout = parallel_state.ParallelLayout(world, size, stages)  # refuses a world size that T x P does not divide
-    check_data_parallel_backend(cfg.distributed_training.ddp_backend, size, cfg.common.cpu)
-    check_pipeline_data_parallel_backend(cfg.distributed_training.ddp_backend, stages, layout.data)
+    layout = parallel_state.get_parallel_layout()  # built from cfg at launch, its sizes checked there
+    check_data_parallel_backend(cfg.distributed_training.ddp_backend, layout.tensor, cfg.common.cpu)
+    check_pipeline_data_parallel_backend(cfg.distributed_training.ddp_backend, layout.pipeline, layout.data)
     check_training_precision(cfg.common)
     # fairseq's main makes --save-dir on the master rank only
     made = directories_missing(cfg.checkpoint.save_dir) if distributed_utils.is_master(
         cfg.distributed_training) else []
     try:
-        return run(cfg, **kwargs)
+        # fairseq builds the model before it looks for a checkpoint: its draws wait (MegatronTrainer runs them)
+        with sharding.checkpoint_may_fill_weights():
+            return run(cfg, **kwargs)
     except BaseException:
         remove_while_empty(made)
         raise

@@ -66,11 +66,13 @@ from fairseq.trainer import Trainer
 
 from fairseq_megatron.checkpoint.part_files import is_write_failure, stage_suffix, write_error
 from fairseq_megatron.errors import UsageError
+from fairseq_megatron.models.pipeline_stage import PipelineStageLayout
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.parallel.grad_norm import model_parallel_norm_aggregator
 from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
 from fairseq_megatron.training.fused_adam import FairseqFusedAdam, fused_adam_applies
 from fairseq_megatron.training.padding import mark_padding
+from fairseq_megatron.training.parallelize import parallelize
 from fairseq_megatron.training.pipeline_schedule import PipelineSchedule
 
 logger = logging.getLogger(__name__)
@@ -196,10 +198,12 @@ class MegatronTrainer(Trainer):
     """
 
     def __init__(self, cfg, task, model, criterion, quantizer=None):
+        stage = PipelineStageLayout.of(cfg.model)  # this rank's stage of the layout
+        parallelize(model, cfg.model, stage)
         if cfg.ema.store_ema:  # fairseq's EMA copies the model in the constructor, before any load
             model.run_deferred_initialisation()
         # before fairseq's constructor, which reads the data-parallel size
-        self.pipeline = _pipeline_schedule(cfg, task, model) if model.decoder.pipeline_stage.stages > 1 else None
+        self.pipeline = _pipeline_schedule(cfg, task, model, stage) if stage.stages > 1 else None
         super().__init__(cfg, task, model, criterion, quantizer)
         _stop_prefetch_threads_at_exit()
 
@@ -311,8 +315,9 @@ class MegatronTrainer(Trainer):
             FloatingPointError: the last update was skipped for a non-finite
                 norm (fairseq raised before that update; here one later).
         """
+        reduce_group = parallel_state.get_model_parallel_group() if self.pipeline is not None else None
         aggregate = model_parallel_norm_aggregator(self.model, parallel_state.get_tensor_model_parallel_group(),
-                                                   **self._pipeline_norm_options())
+                                                   reduce_group=reduce_group)
         fused = self.optimizer._optimizer if isinstance(self.optimizer, FairseqFusedAdam) else None
         if fused is None:
             return self.optimizer.clip_grad_norm(clip_norm, aggregate_norm_fn=aggregate)
@@ -322,15 +327,6 @@ class MegatronTrainer(Trainer):
         grad_norm = self.optimizer.clip_grad_norm(clip_norm, aggregate_norm_fn=aggregate)
         fused.skip_step_if_nonfinite(grad_norm)
         return grad_norm.as_subclass(_NormCheckedOnTheDevice)
-
-    def _pipeline_norm_options(self) -> dict:
-        """The norm's options with pipeline stages: summed over the whole
-        model copy, the last stage's copy of a tied embedding left out."""
-        if self.pipeline is None:
-            return {}
-        decoder = self.get_model().decoder
-        copies = [decoder.embed_tokens.weight] if decoder.pipeline_stage.holds_embedding_copy else []
-        return {"reduce_group": parallel_state.get_model_parallel_group(), "counted_elsewhere": copies}
 
     def _reduce_and_log_stats(self, logging_outputs, sample_size, grad_norm=None):
         """fairseq's meters, without its two device reads per step: a
@@ -451,7 +447,7 @@ def _continue_the_epoch(extra_state: Optional[dict], groups: int) -> None:
         f" ({again} of them trained once more: {taken} is not divisible by {groups})" if again else "")
 
 
-def _pipeline_schedule(cfg, task, model) -> PipelineSchedule:
+def _pipeline_schedule(cfg, task, model, stage: PipelineStageLayout) -> PipelineSchedule:
     """The schedule of this rank's stage: ``--update-freq`` micro-batches of
     ``--batch-size`` (or ``--max-tokens / --tokens-per-sample``) rows of
     ``--tokens-per-sample`` tokens.
@@ -465,8 +461,8 @@ def _pipeline_schedule(cfg, task, model) -> PipelineSchedule:
     if rows < 1:
         raise UsageError(f"--pipeline-model-parallel-size needs --batch-size, or --max-tokens of at least "
                          f"--tokens-per-sample {length}: they set the micro-batch shape")
-    return PipelineSchedule(model, cfg.optimization.update_freq[0], rows, length,
-                            task.source_dictionary.pad())
+    return PipelineSchedule(model, stage, cfg.optimization.update_freq[0], rows, length,
+                            task.source_dictionary.pad(), bf16_autocast=bool(getattr(cfg.model, "bf16_autocast", False)))
 
 
 def _prefetch_threads():

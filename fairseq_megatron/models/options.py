@@ -3,7 +3,9 @@ or trained with, and the dictionary padding that depends on the
 model-parallel size. The architecture functions call :func:`check_options`
 while fairseq parses its command line; ``build_model`` calls the rest;
 fairseq-train's start (:mod:`fairseq_megatron.fairseq_integration.train`)
-calls the launch checks before it writes anything.
+calls the launch checks before it writes anything. The parallel sizes
+themselves are checked where the layout is built
+(:class:`fairseq_megatron.parallel.layout.ParallelLayout`).
 """
 
 from typing import Optional, Sequence
@@ -12,6 +14,7 @@ import torch
 from fairseq.utils import safe_getattr
 
 from fairseq_megatron.errors import UsageError
+from fairseq_megatron.models.pipeline_stage import PipelineStageLayout, pipeline_stages
 
 
 def split_dimensions(heads: Optional[int], ffn: Optional[int], padded_vocab: Optional[int] = None):
@@ -97,36 +100,6 @@ def pad_dictionary(dictionary, model_parallel_size: int, padded_vocab_size: Opti
             f"model-parallel size {model_parallel_size}"
         )
     return len(dictionary)
-
-
-def check_processes(model_parallel_size: int, processes: int, pipeline_stages: int = 1) -> None:
-    """Refuse ``model_parallel_size`` model parts (times ``pipeline_stages``
-    stages) in one process.
-
-    ``processes`` is the run's world size (1 when torch.distributed is not
-    initialised: no launcher). A world size that ``model_parallel_size x
-    pipeline_stages`` does not divide is refused where the groups are made
-    (:func:`fairseq_megatron.parallel.parallel_state.initialize_model_parallel`).
-
-    Raises:
-        UsageError: ``model_parallel_size`` < 1 (fairseq ran 0 or a negative
-            size as size 1, or failed later on a group size that differs), or
-            more than one part or stage and ``processes`` == 1.
-    """
-    if model_parallel_size < 1:
-        raise UsageError(f"--model-parallel-size {model_parallel_size}: the number of model parts is at least 1")
-    needed = model_parallel_size * max(pipeline_stages, 1)
-    if needed > 1 and processes == 1:
-        what = f"--model-parallel-size {model_parallel_size}"
-        one_per = "model part"
-        if pipeline_stages > 1:
-            what = f"{what} x --pipeline-model-parallel-size {pipeline_stages}"
-            one_per = "model part of each pipeline stage"
-        raise UsageError(
-            f"{what} needs {needed} processes, one per {one_per}, and this run is one process: launch it "
-            f"with torchrun --nproc_per_node {needed} (or give fairseq --distributed-world-size {needed} on "
-            f"a machine with {needed} GPUs)"
-        )
 
 
 def check_data_parallel_backend(ddp_backend: str, model_parallel_size: int, cpu: bool) -> None:
@@ -273,12 +246,6 @@ def check_options(args, model_parallel_size: int) -> None:
         )
 
 
-def pipeline_stages(args) -> int:
-    """``--pipeline-model-parallel-size`` of ``args`` (1 where not given)."""
-    stages = safe_getattr(args, "pipeline_model_parallel_size", None)
-    return 1 if stages is None else int(stages)
-
-
 def check_pipeline_options(args) -> None:
     """Refuse a pipeline that cannot be built or scheduled, from the options alone.
 
@@ -301,8 +268,6 @@ def check_pipeline_options(args) -> None:
         raise UsageError(f"--pipeline-model-parallel-size {stages}: the number of pipeline stages is at least 1")
     if stages == 1:
         return
-    from fairseq_megatron.models.pipeline_stage import PipelineStageLayout
-
     PipelineStageLayout(0, stages, int(args.decoder_layers), tied_embeddings=False)  # refuses an uneven split
     micro_batches = safe_getattr(args, "update_freq", None)
     if micro_batches is not None and max(micro_batches) < stages:

@@ -23,11 +23,18 @@ from typing import Optional
 from fairseq.utils import safe_getattr
 
 from fairseq_megatron.errors import UsageError
+from fairseq_megatron.parallel import parallel_state
 
 _LAYER_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.")
 _FIRST_STAGE_PREFIXES = ("decoder.embed_positions.", "decoder.layernorm_embedding.")
 _LAST_STAGE_PREFIXES = ("decoder.layer_norm.", "decoder.output_projection.")
 EMBEDDING_KEY = "decoder.embed_tokens.weight"
+
+
+def pipeline_stages(args) -> int:
+    """``--pipeline-model-parallel-size`` of ``args`` (1 where not given)."""
+    stages = safe_getattr(args, "pipeline_model_parallel_size", None)
+    return 1 if stages is None else int(stages)
 
 
 @dataclass(frozen=True)
@@ -56,9 +63,6 @@ class PipelineStageLayout:
         """The layout of model config ``args`` (``--pipeline-model-parallel-size``,
         ``--decoder-layers``, ``--share-decoder-input-output-embed``) at
         ``stage``, by default this rank's stage in its pipeline group."""
-        from fairseq_megatron.models.options import pipeline_stages
-        from fairseq_megatron.parallel import parallel_state
-
         stages = pipeline_stages(args)
         if stage is None:
             stage = parallel_state.get_pipeline_model_parallel_rank() if stages > 1 else 0

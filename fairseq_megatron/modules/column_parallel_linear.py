@@ -12,7 +12,8 @@ from fairseq_megatron.parallel.mappings import (
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
 )
-from fairseq_megatron.modules.sharding import divide, init_shard_
+from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
+from fairseq_megatron.modules.sharding import divide, init_shard_, new_shard
 
 
 def column_parallel_input(x: torch.Tensor, group, sequence_parallel: bool = False) -> torch.Tensor:
@@ -25,12 +26,17 @@ def column_parallel_input(x: torch.Tensor, group, sequence_parallel: bool = Fals
     return copy_to_tensor_model_parallel_region(x, group)
 
 
-class ColumnParallelLinear(parallel_state.SharesProcessGroupsWhenCopied, nn.Module):
+class ColumnParallelLinear(KeepsParameterAttributes, nn.Module):
     """``Y = X A + b`` with A split along its output (column) dimension.
 
     Rank r of N holds ``weight`` of shape ``(out_features / N, in_features)``
     (rows ``[r*out/N, (r+1)*out/N)`` of the full ``(out, in)`` weight) and the
-    matching slice of ``bias``.
+    matching slice of ``bias``; both carry ``tensor_model_parallel=True,
+    partition_dim=0`` (:mod:`~fairseq_megatron.modules.parameter_attributes`).
+    ``group``: this rank's tensor-parallel group (default), a process group,
+    or a :class:`~fairseq_megatron.parallel.parallel_state.RankGroup` (rank
+    ``k`` of ``T`` without a process group builds that rank's shard, e.g.
+    on the ``meta`` device).
 
     Shapes: input ``(*, in_features)`` replicated on all ranks; output
     ``(*, out_features / N)`` (this rank's columns), or ``(*, out_features)``
@@ -53,22 +59,22 @@ class ColumnParallelLinear(parallel_state.SharesProcessGroupsWhenCopied, nn.Modu
         group=parallel_state.DEFAULT_GROUP,
     ):
         super().__init__()
-        self.group = parallel_state.resolve_group(group)
-        world_size = parallel_state.world_size(self.group)
+        self.tensor_parallel = parallel_state.resolve_tensor_parallel(group)
+        self.group = self.tensor_parallel.group
+        world_size = self.tensor_parallel.size
         self.in_features = in_features
         self.out_features = out_features
         self.out_features_per_partition = divide(out_features, world_size, "output features")
         self.gather_output = gather_output
 
-        self.weight = nn.Parameter(torch.empty(self.out_features_per_partition, in_features))
-        init_shard_(
-            self.weight, (out_features, in_features), 0,
-            parallel_state.rank(self.group), world_size, init_method,
-        )
+        self.weight = nn.Parameter(new_shard(self.out_features_per_partition, in_features))
+        init_shard_(self.weight, (out_features, in_features), 0, self.tensor_parallel.rank, world_size, init_method)
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.out_features_per_partition))
         else:
             self.register_parameter("bias", None)
+        self.set_tensor_parallel_split("weight", 0)
+        self.set_tensor_parallel_split("bias", 0)
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         """``x`` ``(*, in)`` replicated, or with ``sequence_parallel`` this rank's

@@ -11,6 +11,7 @@ from torch import Tensor
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.modules.column_parallel_linear import ColumnParallelLinear, column_parallel_input
+from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
 from fairseq_megatron.modules.row_parallel_linear import RowParallelLinear
 from fairseq_megatron.modules.sharding import divide
 from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
@@ -19,7 +20,7 @@ IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
 
 
 @with_incremental_state
-class ModelParallelMultiheadAttention(parallel_state.SharesProcessGroupsWhenCopied, nn.Module):
+class ModelParallelMultiheadAttention(KeepsParameterAttributes, nn.Module):
     """Causal self-attention; rank r of N computes heads ``[r*H/N, (r+1)*H/N)``.
 
     ``q_proj``, ``k_proj``, ``v_proj`` are column-parallel (each rank produces
@@ -60,8 +61,9 @@ class ModelParallelMultiheadAttention(parallel_state.SharesProcessGroupsWhenCopi
         group=parallel_state.DEFAULT_GROUP,
     ):
         super().__init__()
-        self.group = parallel_state.resolve_group(group)
-        world_size = parallel_state.world_size(self.group)
+        self.tensor_parallel = parallel_state.resolve_tensor_parallel(group)
+        self.group = self.tensor_parallel.group
+        world_size = self.tensor_parallel.size
         self.embed_dim = embed_dim
         self.num_heads = num_heads  # total, as fairseq's TransformerDecoderLayer expects
         if embed_dim % num_heads != 0:
@@ -70,10 +72,10 @@ class ModelParallelMultiheadAttention(parallel_state.SharesProcessGroupsWhenCopi
         self.num_heads_partition = divide(num_heads, world_size, "number of attention heads")
         self.dropout_p = dropout
 
-        self.k_proj = ColumnParallelLinear(embed_dim, embed_dim, bias=bias, group=self.group)
-        self.v_proj = ColumnParallelLinear(embed_dim, embed_dim, bias=bias, group=self.group)
-        self.q_proj = ColumnParallelLinear(embed_dim, embed_dim, bias=bias, group=self.group)
-        self.out_proj = RowParallelLinear(embed_dim, embed_dim, bias=bias, group=self.group)
+        self.k_proj = ColumnParallelLinear(embed_dim, embed_dim, bias=bias, group=self.tensor_parallel)
+        self.v_proj = ColumnParallelLinear(embed_dim, embed_dim, bias=bias, group=self.tensor_parallel)
+        self.q_proj = ColumnParallelLinear(embed_dim, embed_dim, bias=bias, group=self.tensor_parallel)
+        self.out_proj = RowParallelLinear(embed_dim, embed_dim, bias=bias, group=self.tensor_parallel)
 
     def _project_qkv(self, x: Tensor, sequence_parallel: bool = False):
         """Queries, keys and values of the local heads with one GEMM.

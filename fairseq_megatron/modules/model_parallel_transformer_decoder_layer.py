@@ -9,18 +9,19 @@ from fairseq.modules import LayerNorm
 from torch import Tensor
 
 from fairseq_megatron.parallel import parallel_state
-from fairseq_megatron.training.activation_checkpointing import rewrap_forward
 from fairseq_megatron.modules.column_parallel_linear import ColumnParallelLinear
+from fairseq_megatron.modules.forward_wrappers import rewrap
 from fairseq_megatron.parallel.mappings import copy_to_tensor_model_parallel_region
 from fairseq_megatron.modules.model_parallel_multihead_attention import (
     IncrementalState,
     ModelParallelMultiheadAttention,
 )
+from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
 from fairseq_megatron.modules.row_parallel_linear import RowParallelLinear
 from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
 
 
-class ModelParallelTransformerDecoderLayer(parallel_state.SharesProcessGroupsWhenCopied, nn.Module):
+class ModelParallelTransformerDecoderLayer(KeepsParameterAttributes, nn.Module):
     """Decoder block (self-attention + FFN, no encoder attention).
 
     Pre-norm (``normalize_before``, as every Megatron arch sets) computes::
@@ -54,8 +55,8 @@ class ModelParallelTransformerDecoderLayer(parallel_state.SharesProcessGroupsWhe
 
     def __init__(self, cfg, group=parallel_state.DEFAULT_GROUP):
         super().__init__()
-        group = parallel_state.resolve_group(group)
-        self.group = group
+        tensor_parallel = parallel_state.resolve_tensor_parallel(group)
+        self.tensor_parallel, self.group = tensor_parallel, tensor_parallel.group
         embed_dim = cfg.decoder.embed_dim
         self.embed_dim = embed_dim
         self.normalize_before = cfg.decoder.normalize_before
@@ -69,13 +70,14 @@ class ModelParallelTransformerDecoderLayer(parallel_state.SharesProcessGroupsWhe
         self.activation_fn = F.gelu if activation == "gelu" else utils.get_activation_fn(activation=activation)
 
         self.self_attn = ModelParallelMultiheadAttention(
-            embed_dim, cfg.decoder.attention_heads, dropout=cfg.attention_dropout, group=group
+            embed_dim, cfg.decoder.attention_heads, dropout=cfg.attention_dropout, group=tensor_parallel
         )
         self.self_attn_layer_norm = LayerNorm(embed_dim, export=cfg.export)
-        self.fc1 = ColumnParallelLinear(embed_dim, cfg.decoder.ffn_embed_dim, group=group)
-        self.fc2 = RowParallelLinear(cfg.decoder.ffn_embed_dim, embed_dim, group=group)
+        self.fc1 = ColumnParallelLinear(embed_dim, cfg.decoder.ffn_embed_dim, group=tensor_parallel)
+        self.fc2 = RowParallelLinear(cfg.decoder.ffn_embed_dim, embed_dim, group=tensor_parallel)
         self.final_layer_norm = LayerNorm(embed_dim, export=cfg.export)
         self.need_attn = False
+        self.tag_parameters()  # the layer norms' weights are replicated
 
     def _dropout(self, x: Tensor, sequence_parallel: bool) -> Tensor:
         if not sequence_parallel or not self.training or self.dropout_p == 0:
@@ -143,9 +145,9 @@ class ModelParallelTransformerDecoderLayer(parallel_state.SharesProcessGroupsWhe
 
     def __deepcopy__(self, memo):
         """A copy with its own ``--compile-layers`` / ``--checkpoint-activations``
-        wrappers (see :func:`~fairseq_megatron.training.activation_checkpointing.rewrap_forward`)."""
+        wrappers (:func:`~fairseq_megatron.modules.forward_wrappers.rewrap`)."""
         copied = super().__deepcopy__(memo)
-        rewrap_forward(copied)
+        rewrap(copied)
         return copied
 
     def make_generation_fast_(self, need_attn: bool = False, **kwargs):

@@ -13,16 +13,20 @@ from fairseq_megatron.parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from fairseq_megatron.modules.sharding import divide, init_shard_
+from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
+from fairseq_megatron.modules.sharding import divide, init_shard_, new_shard
 
 
-class RowParallelLinear(parallel_state.SharesProcessGroupsWhenCopied, nn.Module):
+class RowParallelLinear(KeepsParameterAttributes, nn.Module):
     """``Y = X A + b`` with A split along its input (row) dimension.
 
     Rank r of N holds ``weight`` of shape ``(out_features, in_features / N)``
     (columns ``[r*in/N, (r+1)*in/N)`` of the full ``(out, in)`` weight). The
     partial products are summed over the group, then the full ``bias``
-    (replicated, identical on every rank) is added once. In a group of one
+    (replicated, identical on every rank) is added once. The weight carries
+    ``tensor_model_parallel=True, partition_dim=1``, the bias
+    ``tensor_model_parallel=False``. ``group`` as in
+    :class:`~fairseq_megatron.modules.column_parallel_linear.ColumnParallelLinear`. In a group of one
     the bias is passed to ``F.linear`` itself (one ``addmm``, as in
     ``nn.Linear``, instead of a GEMM and a separate add; docs/benchmarks.md
     has the measurement).
@@ -47,22 +51,22 @@ class RowParallelLinear(parallel_state.SharesProcessGroupsWhenCopied, nn.Module)
         group=parallel_state.DEFAULT_GROUP,
     ):
         super().__init__()
-        self.group = parallel_state.resolve_group(group)
-        world_size = parallel_state.world_size(self.group)
+        self.tensor_parallel = parallel_state.resolve_tensor_parallel(group)
+        self.group = self.tensor_parallel.group
+        world_size = self.tensor_parallel.size
         self.in_features = in_features
         self.out_features = out_features
         self.in_features_per_partition = divide(in_features, world_size, "input features")
         self.input_is_parallel = input_is_parallel
 
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_features_per_partition))
-        init_shard_(
-            self.weight, (out_features, in_features), 1,
-            parallel_state.rank(self.group), world_size, init_method,
-        )
+        self.weight = nn.Parameter(new_shard(out_features, self.in_features_per_partition))
+        init_shard_(self.weight, (out_features, in_features), 1, self.tensor_parallel.rank, world_size, init_method)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features))
         else:
             self.register_parameter("bias", None)
+        self.set_tensor_parallel_split("weight", 1)
+        self.set_tensor_parallel_split("bias", None)
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         """``(*, in / N)`` -> ``(*, out)`` replicated, or with ``sequence_parallel``

@@ -8,10 +8,12 @@ model at size 1, which is what the parity tests compare (Megatron-LM
 
 A model that may get a checkpoint's weights (fairseq-train, which builds
 before it looks for ``checkpoint_last.pt``; every tool that loads a
-checkpoint) is built within :func:`initialisation_deferred`: its shards are
-NaN, so that a parameter the checkpoint failed to fill cannot pass for a
-trained one, and the draws wait, to run only if no checkpoint fills the
-parameters, giving the same weights as at the build. Drawing the master
+checkpoint) is built within :func:`initialisation_deferred`: its shards
+are made on the ``meta`` device, then given NaN-filled memory
+(:meth:`DeferredInitialisation.materialize`), so that a parameter the
+checkpoint failed to fill cannot pass for a trained one, and the draws wait,
+to run only if no checkpoint fills the parameters, giving the same weights
+as at the build. Drawing the master
 tensors is the whole cost of building the model: 14 s of 14 s for 8
 Megatron-11b layers (1.2B parameters) on 2 CPU threads, about 2 minutes for
 the 72 layers, on every rank at every model-parallel size (each rank draws
@@ -19,11 +21,13 @@ the full master tensor of each layer).
 """
 
 import contextlib
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
+import torch.nn as nn
 
 from fairseq_megatron.errors import UsageError
+from fairseq_megatron.modules.parameter_attributes import copy_parameter_attributes
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -46,21 +50,30 @@ class DeferredInitialisation:
     :func:`initialisation_deferred`, in the order they were due, and the
     default generator's state when the build began.
 
-    :meth:`run` draws them from that state, so the parameters get bitwise
-    the values the build would have given them, and the generator is left
-    where the build would have left it, provided nothing else drew from it
-    during the build (the caller checks: :meth:`generator_moved`). The
-    parameters may have been moved to another device or dtype since
-    (``nn.Module.half``/``.to`` keep the Parameter objects): each master
-    tensor is still drawn in fp32 on the CPU, then cast into the shard.
+    Within that context the layers make their sharded weights on the
+    ``meta`` device (no memory); :meth:`materialize` gives them memory,
+    NaN-filled (so that a weight a checkpoint failed to fill cannot pass for
+    a trained one), after the caller has dropped what this rank does not
+    hold (a pipeline stage keeps its own layers:
+    :mod:`fairseq_megatron.training.pipeline_split`). :meth:`run` then draws
+    every queued initialisation from the build's generator state: into the
+    weights still held, and drawn and thrown away for the others, so the
+    weights held are bitwise those the build would have given them, and the
+    generator is left where the build would have left it, provided nothing
+    else drew from it during the build (the caller checks:
+    :meth:`generator_moved`). Parameters moved to another device or dtype
+    since keep being filled: each master tensor is drawn in fp32 on the
+    CPU, then cast into the shard.
     """
 
     def __init__(self):
         self.generator_state = torch.get_rng_state()
-        self._pending: List[Callable[[], object]] = []
+        self._pending: List[Callable[[Callable[[torch.Tensor], Optional[torch.Tensor]]], object]] = []
+        self._replaced: Dict[int, torch.Tensor] = {}  # id of a meta parameter -> the parameter that took its place
 
-    def add(self, initialise: Callable[[], object]) -> None:
-        """Queue ``initialise()`` (its result is discarded)."""
+    def add(self, initialise: Callable[[Callable[[torch.Tensor], Optional[torch.Tensor]]], object]) -> None:
+        """Queue ``initialise(held)``, where ``held(param)`` is the parameter
+        that now stands for ``param`` (None where this rank dropped it)."""
         self._pending.append(initialise)
 
     def __len__(self) -> int:
@@ -70,24 +83,69 @@ class DeferredInitialisation:
         """Whether the default generator has drawn since the build began."""
         return not torch.equal(torch.get_rng_state(), self.generator_state)
 
+    def materialize(self, module: nn.Module, device="cpu") -> None:
+        """Give every ``meta`` parameter of ``module`` memory on ``device``,
+        filled with NaN: a new parameter in its place, the same one wherever
+        the meta parameter was shared (a tied output projection), with its
+        attributes (:mod:`~fairseq_megatron.modules.parameter_attributes`)."""
+        for owner in module.modules():
+            for name, param in owner._parameters.items():
+                if param is None or not param.is_meta:
+                    continue
+                held = self._replaced.get(id(param))
+                if held is None:
+                    held = nn.Parameter(torch.full(param.shape, float("nan"), dtype=param.dtype, device=device),
+                                        requires_grad=param.requires_grad)
+                    copy_parameter_attributes(param, held)
+                    self._replaced[id(param)] = held
+                    self._replaced[id(held)] = held
+                owner._parameters[name] = held
+
+    def held(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """The parameter that stands for ``param`` after :meth:`materialize`
+        (``param`` itself if it was never on the meta device); None for a meta
+        parameter that was dropped before."""
+        if not param.is_meta:
+            return param
+        return self._replaced.get(id(param))
+
     def run(self) -> None:
         """Draw the queued initialisations, in order, from the state at the
         build's start (the generator is reset to it first)."""
         torch.set_rng_state(self.generator_state)
         for initialise in self._pending:
-            initialise()
+            initialise(self.held)
         self._pending.clear()
 
 
 _deferred: Optional[DeferredInitialisation] = None
-_discarding = False
+_may_be_loaded = False
+
+
+@contextlib.contextmanager
+def checkpoint_may_fill_weights() -> Iterator[None]:
+    """Models built within this context may get their weights from a
+    checkpoint, so they defer their draws (``build_model`` asks
+    :func:`weights_may_be_loaded`). fairseq-train's start enters it: it
+    builds the model before it looks for a checkpoint to resume from."""
+    global _may_be_loaded
+    previous, _may_be_loaded = _may_be_loaded, True
+    try:
+        yield
+    finally:
+        _may_be_loaded = previous
+
+
+def weights_may_be_loaded() -> bool:
+    """Whether a :func:`checkpoint_may_fill_weights` context is open."""
+    return _may_be_loaded
 
 
 @contextlib.contextmanager
 def initialisation_deferred() -> Iterator[DeferredInitialisation]:
-    """Within this context :func:`init_shard_` fills shards with NaN and
-    queues its draw on the :class:`DeferredInitialisation` yielded, drawing
-    nothing from the default generator."""
+    """Within this context :func:`new_shard` makes ``meta`` tensors and
+    :func:`init_shard_` queues its draw on the :class:`DeferredInitialisation`
+    yielded, drawing nothing from the default generator."""
     global _deferred
     previous, _deferred = _deferred, DeferredInitialisation()
     try:
@@ -101,30 +159,20 @@ def deferred_initialisation() -> Optional[DeferredInitialisation]:
     return _deferred
 
 
+def new_shard(*shape: int) -> torch.Tensor:
+    """An uninitialised fp32 tensor for a shard that :func:`init_shard_` fills:
+    on the ``meta`` device within :func:`initialisation_deferred`."""
+    return torch.empty(*shape, device="meta" if _deferred is not None else None)
+
+
 def draw_later(draw: Callable[[], object]) -> bool:
     """Whether an initialisation must not draw now: within
-    :func:`initialisation_deferred` (``draw`` is queued). For
-    :func:`init_shard_` and modules that initialise other than through it."""
+    :func:`initialisation_deferred` (``draw`` is queued, and its result
+    thrown away when it runs). For modules that initialise other than
+    through :func:`init_shard_`."""
     if _deferred is not None:
-        _deferred.add(draw)
+        _deferred.add(lambda held: draw())
     return _deferred is not None
-
-
-@contextlib.contextmanager
-def draws_discarded() -> Iterator[None]:
-    """Within this context :func:`init_shard_` draws each master tensor and
-    throws it away (or, deferred, queues a draw that keeps no reference to
-    the shard), leaving the shard uninitialised. A pipeline stage builds the
-    modules of the other stages this way, so that the default generator
-    reaches each of its own layers where a one-stage build would: the stage
-    gets bitwise the weights the same layers have at
-    ``--pipeline-model-parallel-size 1``."""
-    global _discarding
-    previous, _discarding = _discarding, True
-    try:
-        yield
-    finally:
-        _discarding = previous
 
 
 def init_shard_(
@@ -136,20 +184,17 @@ def init_shard_(
     init_method: Callable[[torch.Tensor], None],
 ) -> None:
     """Fill ``shard`` with this rank's slice of a master tensor of ``full_shape``
-    initialised by ``init_method`` (in fp32 on the CPU, then cast); with NaN
-    within :func:`initialisation_deferred` until its queue runs."""
-    if _discarding:  # the same draw, holding no reference to the shard
-        def draw() -> None:
-            init_method(torch.empty(full_shape, dtype=torch.float32))
-    else:
-        def draw() -> None:
-            full = torch.empty(full_shape, dtype=torch.float32)
-            init_method(full)
+    initialised by ``init_method`` (in fp32 on the CPU, then cast); within
+    :func:`initialisation_deferred`, when its queue runs (drawn and thrown
+    away if this rank no longer holds ``shard`` then)."""
+    def draw(target: Optional[torch.Tensor]) -> None:
+        full = torch.empty(full_shape, dtype=torch.float32, device="cpu")
+        init_method(full)
+        if target is not None:
             with torch.no_grad():
-                shard.copy_(shard_of(full, dim, rank, world_size))
+                target.copy_(shard_of(full, dim, rank, world_size))
 
-    if draw_later(draw):
-        with torch.no_grad():
-            shard.fill_(float("nan"))
+    if _deferred is not None:
+        _deferred.add(lambda held: draw(held(shard)))
     else:
-        draw()
+        draw(shard)

@@ -121,7 +121,7 @@ def vocab_parallel_cross_entropy(
         ``(*)`` fp32 loss, identical on every rank; equals
         ``F.cross_entropy(full_logits, target, reduction="none")``.
     """
-    group = parallel_state.resolve_group(group)
+    group = parallel_state.resolve_tensor_parallel(group).group
     shape = target.shape
     loss = _VocabParallelCrossEntropy.apply(
         logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index, group, compiled

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.parallel.mappings import reduce_from_tensor_model_parallel_region
-from fairseq_megatron.modules.sharding import divide, init_shard_
+from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
+from fairseq_megatron.modules.sharding import divide, init_shard_, new_shard
 
 
 def vocab_range(vocab_size: int, rank: int, world_size: int):
@@ -29,11 +30,12 @@ def fairseq_embedding_init(embedding_dim: int, padding_idx: Optional[int]) -> Ca
     return init
 
 
-class VocabParallelEmbedding(parallel_state.SharesProcessGroupsWhenCopied, nn.Module):
+class VocabParallelEmbedding(KeepsParameterAttributes, nn.Module):
     """Token embedding whose vocabulary is split across the tensor-model-parallel group.
 
     Rank r of N holds ``weight`` of shape ``(V / N, C)``: rows
-    ``[r*V/N, (r+1)*V/N)`` of the full ``(V, C)`` table (V = padded vocabulary).
+    ``[r*V/N, (r+1)*V/N)`` of the full ``(V, C)`` table (V = padded
+    vocabulary), tagged ``tensor_model_parallel=True, partition_dim=0``.
     Each rank looks up the ids it owns, writes zeros for the others, and the
     group sums the results.
 
@@ -58,28 +60,29 @@ class VocabParallelEmbedding(parallel_state.SharesProcessGroupsWhenCopied, nn.Mo
         group=parallel_state.DEFAULT_GROUP,
     ):
         super().__init__()
-        self.group = parallel_state.resolve_group(group)
-        world_size = parallel_state.world_size(self.group)
+        self.tensor_parallel = parallel_state.resolve_tensor_parallel(group)
+        self.group = self.tensor_parallel.group
+        world_size = self.tensor_parallel.size
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.padding_idx = padding_idx  # fairseq's decoder reads this (global id)
         self.vocab_start_index, self.vocab_end_index = vocab_range(
-            num_embeddings, parallel_state.rank(self.group), world_size
+            num_embeddings, self.tensor_parallel.rank, world_size
         )
         if padding_idx is not None and self.vocab_start_index <= padding_idx < self.vocab_end_index:
             self._local_padding_idx = padding_idx - self.vocab_start_index
         else:
             self._local_padding_idx = None
 
-        self.weight = nn.Parameter(torch.empty(self.vocab_end_index - self.vocab_start_index, embedding_dim))
+        self.weight = nn.Parameter(new_shard(self.vocab_end_index - self.vocab_start_index, embedding_dim))
         init_shard_(
-            self.weight, (num_embeddings, embedding_dim), 0,
-            parallel_state.rank(self.group), world_size,
+            self.weight, (num_embeddings, embedding_dim), 0, self.tensor_parallel.rank, world_size,
             init_method or fairseq_embedding_init(embedding_dim, padding_idx),
         )
+        self.set_tensor_parallel_split("weight", 0)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if parallel_state.world_size(self.group) == 1:
+        if self.tensor_parallel.size == 1:
             return F.embedding(tokens, self.weight, self._local_padding_idx)
         outside = (tokens < self.vocab_start_index) | (tokens >= self.vocab_end_index)
         local_ids = (tokens - self.vocab_start_index).masked_fill(outside, 0)

@@ -4,8 +4,8 @@ fairseq's ``MegatronTrainer.clip_grad_norm``
 (``fairseq/model_parallel/megatron_trainer.py``) squares each rank's local
 gradient norm, all-reduces the squares over the model-parallel group and
 takes the root. The parameters that every rank holds in full (layer norms,
-row-parallel biases, learned positions: the "replicated" rows of
-:mod:`fairseq_megatron.checkpoint.layout`) then count N times, so at
+row-parallel biases, learned positions: those tagged
+``tensor_model_parallel=False``) then count N times, so at
 model-parallel size N the logged ``gnorm`` and the ``--clip-norm``
 coefficient differ from those of the same model at size 1. Megatron-LM
 counts such a parameter on one rank only (``megatron/core/optimizer/clip_grads.py``,
@@ -23,7 +23,6 @@ the all-reduce; the scalar cancels. The price, at model-parallel size > 1
 only, is one more read of every gradient per step (two multi-tensor norms).
 """
 
-import functools
 from typing import Callable, Iterable, List, Tuple
 
 import torch
@@ -31,7 +30,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fairseq_megatron.parallel import parallel_state
-from fairseq_megatron.checkpoint.layout import partition_dim
 
 
 def _squared_norm(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -43,32 +41,33 @@ def _squared_norm(grads: List[torch.Tensor], device: torch.device) -> torch.Tens
     return torch.stack(norms).square().sum()
 
 
-@functools.lru_cache(maxsize=None)
-def _is_replicated(name: str) -> bool:
-    """The checkpoint layout's rule, once per parameter name (it runs every step)."""
-    return partition_dim(name) is None
+def split_grads(parameters: Iterable[nn.Parameter]):
+    """``(sharded, replicated, elsewhere)`` lists of this rank's gradients, by
+    what each parameter says of itself
+    (:mod:`fairseq_megatron.modules.parameter_attributes`): ``shared`` (the
+    last pipeline stage's copy of a tied embedding, counted on the first
+    stage), else ``tensor_model_parallel`` True or False. Parameters
+    without a gradient are skipped.
 
-
-def split_grads(named_parameters: Iterable[Tuple[str, nn.Parameter]], counted_elsewhere: Iterable = ()):
-    """``(sharded, replicated, elsewhere)`` lists of this rank's gradients,
-    by the checkpoint layout's rule for each parameter name (a ``module.``
-    prefix of a wrapper does not matter); ``elsewhere``: those of the
-    parameters in ``counted_elsewhere`` (another rank counts them).
-    Parameters without a gradient are skipped."""
-    excluded = {id(p) for p in counted_elsewhere}
+    Raises:
+        ValueError: a parameter that does not say how it is split.
+    """
     sharded, replicated, elsewhere = [], [], []
-    for name, p in named_parameters:
+    for p in parameters:
         if p.grad is None:
             continue
-        if id(p) in excluded:
+        if getattr(p, "shared", False):
             elsewhere.append(p.grad)
+        elif not hasattr(p, "tensor_model_parallel"):
+            raise ValueError(f"a parameter of shape {tuple(p.shape)} does not say how it is split "
+                             f"(no tensor_model_parallel attribute): not one of this package's models")
         else:
-            (replicated if _is_replicated(name) else sharded).append(p.grad)
+            (sharded if p.tensor_model_parallel else replicated).append(p.grad)
     return sharded, replicated, elsewhere
 
 
-def model_parallel_norm_aggregator(model: nn.Module, group=None, reduce_group=None,
-                                   counted_elsewhere: Iterable = ()) -> Callable[[torch.Tensor], torch.Tensor]:
+def model_parallel_norm_aggregator(model: nn.Module, group=None,
+                                   reduce_group=None) -> Callable[[torch.Tensor], torch.Tensor]:
     """An ``aggregate_norm_fn`` for fairseq's ``optimizer.clip_grad_norm``.
 
     Call it after the backward pass (it reads ``model``'s gradients). The
@@ -77,20 +76,20 @@ def model_parallel_norm_aggregator(model: nn.Module, group=None, reduce_group=No
     of the whole model, in the same units as ``L``:
     ``sqrt(sum over ranks of L^2 * (S + R / N) / (S + R + E))``, with ``S``,
     ``R`` and ``E`` this rank's squared norms of sharded, replicated and
-    ``counted_elsewhere`` gradients and ``N`` the size of the
+    ``shared`` gradients (:func:`split_grads`) and ``N`` the size of the
     tensor-model-parallel ``group`` (default: the current one). The sum runs
     over ``reduce_group`` (default: ``group``): with pipeline stages, every
     rank of the model copy, each stage's parameters counted on their stage
-    and the last stage's copy of a tied embedding (``counted_elsewhere``)
-    counted on the first. Returns fp32.
+    and the last stage's copy of a tied embedding counted on the first.
+    Returns fp32.
 
     Non-finite gradients (fp16 overflow) leave ``L^2`` unscaled, so an
     overflow still shows as an infinite or NaN norm; all-zero gradients give 0.
     """
-    group = parallel_state.resolve_group(group)
+    group = parallel_state.resolve_tensor_parallel(group).group
     reduce_group = group if reduce_group is None else reduce_group
     n = parallel_state.world_size(group)
-    sharded, replicated, elsewhere = split_grads(model.named_parameters(), counted_elsewhere)
+    sharded, replicated, elsewhere = split_grads(model.parameters())
 
     def aggregate(local_norm: torch.Tensor) -> torch.Tensor:
         total = local_norm.float().square()

@@ -1,291 +1,341 @@
-"""Tensor-, pipeline- and data-parallel process groups, in one place.
+"""The process groups of this rank, made once from the parallel layout.
 
-A world of ``W = T x P x D`` ranks is a grid (:class:`ParallelLayout`):
-``T`` tensor-parallel ranks hold the parts of one pipeline stage, ``P``
-pipeline stages hold one whole model, and ``D`` data-parallel copies of
-that model read different batches. Ranks are ordered as Megatron-Core
-orders them (``megatron/core/parallel_state.py``, order "tp-dp-pp"):
-tensor fastest, then data, then pipeline, so global rank
-``r = t + T * (d + D * p)``. At ``P = 1`` this is Megatron-LM's and
-fairscale's layout of 2020: model-parallel groups are blocks of
-consecutive ranks, data-parallel groups stride across them.
-
-Groups of this rank:
+Every entry point (fairseq's launch of train, eval-lm, validate, generate
+and interactive; the hub; the scripts) calls :func:`initialize_model_parallel`
+once, with the sizes of its configuration: it checks them
+(:class:`~fairseq_megatron.parallel.layout.ParallelLayout`) and creates every
+group this package uses, on torch's ``DeviceMesh`` with dimensions
+``("pp", "dp", "cp", "tp")`` (Megatron-Core's rank order, see
+:mod:`~fairseq_megatron.parallel.layout`). The groups of this rank:
 
 * tensor-parallel: the ``T`` ranks of one stage of one model copy;
-* pipeline-parallel: the ``P`` ranks holding the same tensor part of each
-  stage of one model copy, stage order;
+* context-parallel: the ``C`` ranks that split one sequence;
 * data-parallel: the ``D`` ranks holding the same part of the same stage;
-* model-parallel: the ``T x P`` ranks of one model copy (a checkpoint's
-  part files are written by one such group);
+* pipeline-parallel: the same tensor part of each stage of one model copy, stage order;
+* model-parallel: the ``T x P`` ranks whose part files make one checkpoint
+  (the mesh's ``pp`` and ``tp`` dimensions flattened);
 * embedding: the first and last stage of a pipeline group (one rank when
   ``P = 1``), over which the tied input/output embedding's gradients are
   summed (Megatron-LM ``_EMBEDDING_GROUP``).
 
-This module also:
+Everything else reads the groups here: models, the trainer and the pipeline
+schedule never create one. Each group is a :class:`RankGroup`, its size and
+this rank's index in it beside the process group, so that a layer can be
+built as rank ``k`` of a size-``T`` model without any process group (on the
+``meta`` device, for the checkpoint tools).
 
-* refuses, in one line, a world size not divisible by ``T x P``;
-* has a *single-process* mode: when torch.distributed was never
-  initialised and a layer asks for its group, it gets ``None`` and a world
-  size of 1, so a size-1 model runs in a plain Python process (fairseq
-  does not initialise torch.distributed for single-process runs).
+Single-process mode: where torch.distributed was never initialised (a
+one-process eval-lm, generate or hub run, or a user's script), every size is
+1 and every group is ``None``, meaning "a group of one": no mesh, no
+RANK or MASTER_ADDR needed. ``None`` never means the whole world here.
 
-Layers take the group at construction time (default: :func:`get_tensor_model_parallel_group`)
-and pass it to the communication functions in
-:mod:`fairseq_megatron.parallel.mappings`; nothing deeper reads globals.
+The getters keep Megatron-LM's and fairscale's names
+(``get_tensor_model_parallel_group`` ...), which fairseq imports through
+:mod:`fairseq_megatron.parallel.mpu`.
 """
 
 import copy
+import datetime
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch.distributed as dist
 
-from fairseq_megatron.errors import UsageError
+from fairseq_megatron.parallel.layout import MESH_DIMENSIONS, Coordinates, ParallelLayout
 
 ProcessGroup = Optional[dist.ProcessGroup]
 
 
 class ModelParallelNotInitializedError(RuntimeError):
-    """Raised when a model-parallel size > 1 is used before the groups exist."""
+    """Raised when a group is asked for in a distributed run before the groups exist."""
 
 
 @dataclass(frozen=True)
-class ParallelLayout:
-    """The grid of ``world_size`` ranks: ``tensor`` x ``data`` x ``pipeline``,
-    tensor fastest, pipeline slowest (see the module docstring).
+class RankGroup:
+    """One group of ranks as this rank sees it: ``size`` ranks, this one
+    ``rank`` among them, and the process group that connects them (None for
+    a group of one, or for a layer built without process groups, which can
+    then run no collective)."""
 
-    Raises (on construction):
-        UsageError: a size below 1, or ``world_size`` not divisible by
-            ``tensor x pipeline``.
-    """
+    size: int = 1
+    rank: int = 0
+    group: ProcessGroup = None
 
-    world_size: int
-    tensor: int = 1
-    pipeline: int = 1
+    @classmethod
+    def of(cls, group: ProcessGroup) -> "RankGroup":
+        """The size and this rank's index of ``group`` (None: a group of one)."""
+        if group is None:
+            return cls()
+        return cls(dist.get_world_size(group=group), dist.get_rank(group=group), group)
 
     def __post_init__(self):
-        if self.tensor < 1 or self.pipeline < 1:
-            raise UsageError(f"--model-parallel-size {self.tensor} and --pipeline-model-parallel-size "
-                             f"{self.pipeline}: both are at least 1")
-        if self.world_size % (self.tensor * self.pipeline):
-            what = f"--model-parallel-size {self.tensor}"
-            if self.pipeline > 1:
-                what += f" x --pipeline-model-parallel-size {self.pipeline} = {self.tensor * self.pipeline}"
-            raise UsageError(f"world size {self.world_size} is not divisible by {what}")
-
-    @property
-    def data(self) -> int:
-        """The number of model copies, ``world_size / (tensor x pipeline)``."""
-        return self.world_size // (self.tensor * self.pipeline)
-
-    def rank(self, tensor: int, data: int, pipeline: int) -> int:
-        """The global rank at these coordinates."""
-        return tensor + self.tensor * (data + self.data * pipeline)
-
-    def coordinates(self, rank: int) -> Tuple[int, int, int]:
-        """``(tensor, data, pipeline)`` coordinates of global ``rank``."""
-        return rank % self.tensor, rank // self.tensor % self.data, rank // (self.tensor * self.data)
-
-    def tensor_parallel_groups(self) -> List[List[int]]:
-        return [[self.rank(t, d, p) for t in range(self.tensor)]
-                for p in range(self.pipeline) for d in range(self.data)]
-
-    def data_parallel_groups(self) -> List[List[int]]:
-        return [[self.rank(t, d, p) for d in range(self.data)]
-                for p in range(self.pipeline) for t in range(self.tensor)]
-
-    def pipeline_parallel_groups(self) -> List[List[int]]:
-        return [[self.rank(t, d, p) for p in range(self.pipeline)]
-                for d in range(self.data) for t in range(self.tensor)]
-
-    def model_parallel_groups(self) -> List[List[int]]:
-        """One group per model copy: every tensor part of every stage, in rank order."""
-        return [sorted(self.rank(t, d, p) for p in range(self.pipeline) for t in range(self.tensor))
-                for d in range(self.data)]
-
-    def embedding_groups(self) -> List[List[int]]:
-        """First and last stage of each pipeline group (one rank at ``pipeline = 1``)."""
-        return [sorted({group[0], group[-1]}) for group in self.pipeline_parallel_groups()]
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} is not in a group of {self.size}")
 
 
-@dataclass
-class _Groups:
+@dataclass(frozen=True)
+class ProcessGroups:
+    """This rank's place in the layout and its groups (see the module docstring)."""
+
     layout: ParallelLayout
-    tensor: ProcessGroup
-    pipeline: ProcessGroup
-    data: ProcessGroup
-    model: ProcessGroup
-    embedding: ProcessGroup
+    coordinates: Coordinates
+    mesh: Optional[object]  # torch.distributed.device_mesh.DeviceMesh; None in a single process
+    tensor: RankGroup
+    context: RankGroup
+    data: RankGroup
+    pipeline: RankGroup
+    model: RankGroup
+    embedding: RankGroup
+    pipeline_ranks: tuple  # global ranks of this rank's pipeline group, stage order
 
 
-_groups: Optional[_Groups] = None
+_SINGLE_PROCESS = ProcessGroups(ParallelLayout(1), Coordinates(0, 0, 0, 0), None, *([RankGroup()] * 6), (0,))
+_state: Optional[ProcessGroups] = None
+_expected: Optional[ParallelLayout] = None  # the sizes the launch configured (see expect_layout)
 
 
-def initialize_model_parallel(model_parallel_size: int, pipeline_model_parallel_size: int = 1) -> None:
-    """Split the default process group into tensor-, pipeline- and
-    data-parallel groups (and the model-parallel and embedding groups) of
-    :class:`ParallelLayout`; any groups built before are forgotten first.
-
-    Every rank creates every group, in the same order (``dist.new_group``
-    is collective over the whole world), and returns once all of them have. ``model_parallel_size`` is the
-    tensor-parallel size ``T`` (fairseq's ``--model-parallel-size``; fairseq
-    calls this function with it alone). Mirrors Megatron-LM's
-    ``mpu.initialize_model_parallel``.
+def expect_layout(tensor: int = 1, pipeline: int = 1, context: int = 1) -> None:
+    """Record the sizes this run's configuration asks for, checked at once,
+    before any process starts: fairseq's ``distributed_init`` calls
+    :func:`initialize_model_parallel` with the tensor-parallel size alone,
+    and the other sizes then come from here (one layout, built once).
 
     Raises:
-        ModelParallelNotInitializedError: torch.distributed is not initialised.
-        UsageError: a size below 1, or the world size not divisible by ``T x P``.
+        UsageError: a size below 1.
     """
-    global _groups
-    if not dist.is_available() or not dist.is_initialized():
-        raise ModelParallelNotInitializedError(
-            "torch.distributed is not initialized: launch with torchrun (or "
-            "--distributed-world-size) before using --model-parallel-size"
-        )
-    layout = ParallelLayout(dist.get_world_size(), model_parallel_size, pipeline_model_parallel_size)
+    global _expected
+    _expected = ParallelLayout(tensor * pipeline * context, tensor, pipeline, context)  # checks the sizes
+
+
+def _device_type() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _build(layout: ParallelLayout) -> ProcessGroups:
+    """Create every group of ``layout`` (collective: every rank calls it, in the same order)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     me = dist.get_rank()
+    mesh = init_device_mesh(_device_type(), layout.mesh_shape, mesh_dim_names=MESH_DIMENSIONS)
+    model_mesh = mesh["pp", "tp"]._flatten("mp")
+    embedding = None
+    for ranks in layout.embedding_groups():  # not a mesh dimension: first and last stage only
+        group = dist.new_group(ranks)
+        if me in ranks:
+            embedding = group
 
-    def mine(groups: List[List[int]]) -> ProcessGroup:
-        found = None
-        for ranks in groups:
-            group = dist.new_group(ranks)
-            if me in ranks:
-                found = group
-        return found
+    def dimension(sub_mesh) -> RankGroup:
+        return RankGroup(sub_mesh.size(), sub_mesh.get_local_rank(), sub_mesh.get_group())
 
-    destroy_model_parallel()
-    _groups = _Groups(
+    pipeline = dimension(mesh["pp"])
+    return ProcessGroups(
         layout=layout,
-        tensor=mine(layout.tensor_parallel_groups()),
-        pipeline=mine(layout.pipeline_parallel_groups()),
-        data=mine(layout.data_parallel_groups()),
-        model=mine(layout.model_parallel_groups()),
-        embedding=mine(layout.embedding_groups()),
+        coordinates=layout.coordinates(me),
+        mesh=mesh,
+        tensor=dimension(mesh["tp"]),
+        context=dimension(mesh["cp"]),
+        data=dimension(mesh["dp"]),
+        pipeline=pipeline,
+        model=dimension(model_mesh),
+        embedding=RankGroup.of(embedding),
+        pipeline_ranks=tuple(dist.get_process_group_ranks(pipeline.group)),
     )
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: Optional[int] = None,
+                              context_parallel_size: int = 1) -> None:
+    """Build this rank's groups for the layout of these sizes; groups built
+    before are forgotten first. ``tensor_model_parallel_size`` is fairseq's
+    ``--model-parallel-size``; fairseq's ``distributed_init`` calls this
+    function with it alone, and the pipeline and context sizes are then
+    those :func:`expect_layout` recorded for the same tensor size (else 1).
+    Mirrors Megatron-LM's ``mpu.initialize_model_parallel``.
+
+    Every rank creates every group in the same order and returns once all
+    of them have. Without torch.distributed, sizes of 1 give the
+    single-process mode.
+
+    Raises:
+        UsageError: a size below 1, a world size the sizes do not divide, or
+            sizes above 1 in a single process.
+        ModelParallelNotInitializedError: never raised for sizes of 1.
+    """
+    global _state
+    tensor = tensor_model_parallel_size
+    if pipeline_model_parallel_size is None:
+        expected = _expected if _expected is not None and _expected.tensor == tensor else None
+        pipeline = expected.pipeline if expected else 1
+        context = expected.context if expected else context_parallel_size
+    else:
+        pipeline, context = pipeline_model_parallel_size, context_parallel_size
+    distributed = dist.is_available() and dist.is_initialized()
+    layout = ParallelLayout(dist.get_world_size() if distributed else 1, tensor, pipeline, context)
+    destroy_model_parallel()
+    if not distributed:
+        _state = _SINGLE_PROCESS
+        return
+    _state = _build(layout)
     # Leave together: a rank that fails right after (a bad option its tool checks at the start) closed its
     # connections while a slower rank was still opening them, which then failed in gloo's connect instead
     # of reporting that option.
     dist.barrier()
 
 
+def ensure_model_parallel(tensor: int = 1, pipeline: int = 1, context: int = 1) -> None:
+    """:func:`initialize_model_parallel` unless the groups of these sizes
+    exist already (fairseq's ``distributed_init`` built them)."""
+    if _state is not None and (_state.layout.tensor, _state.layout.pipeline, _state.layout.context) == (
+            tensor, pipeline, context):
+        return
+    initialize_model_parallel(tensor, pipeline, context)
+
+
+_patient_group: ProcessGroup = None
+
+
+def get_patient_group() -> ProcessGroup:
+    """A gloo group of the whole world with a week's timeout, for messages
+    that wait on a person (fairseq-interactive's input, which rank 0 reads
+    and sends to the others; the default group would time out). Made on
+    first use: every rank must ask for it at the same point."""
+    global _patient_group
+    if _patient_group is None:
+        _patient_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
+    return _patient_group
+
+
 def destroy_model_parallel() -> None:
     """Forget the groups (tests use this to re-initialise in one process)."""
-    global _groups
-    _groups = None
+    global _state
+    _state = None
 
 
 def model_parallel_is_initialized() -> bool:
-    """Whether :func:`initialize_model_parallel` has built the groups (and they were not destroyed)."""
-    return _groups is not None
+    """Whether the groups were built (and not destroyed since), single-process mode included."""
+    return _state is not None
 
 
-def get_parallel_layout() -> ParallelLayout:
-    """The layout of the groups built, or of a single process (all sizes 1)."""
-    if _groups is not None:
-        return _groups.layout
-    return ParallelLayout(world_size(None))
-
-
-def _group(name: str) -> ProcessGroup:
-    if _groups is not None:
-        return getattr(_groups, name)
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return None
-    raise ModelParallelNotInitializedError(
-        f"the {name}-parallel group is not initialized: with torch.distributed running, "
-        "call fairseq_megatron.parallel.parallel_state.initialize_model_parallel(N) first "
-        "(fairseq does this when --model-parallel-size > 1)"
-    )
-
-
-def get_tensor_model_parallel_group() -> ProcessGroup:
-    """The tensor-model-parallel group of this rank.
-
-    Returns ``None`` in single-process mode (torch.distributed not
-    initialised), meaning "a group of one".
+def _current() -> ProcessGroups:
+    """The groups built, or the single-process mode where torch.distributed
+    runs no world of several ranks.
 
     Raises:
         ModelParallelNotInitializedError: torch.distributed is initialised
             with more than one rank but the groups are not.
-            (With one rank the group of one is returned as ``None``.)
     """
-    return _group("tensor")
+    if _state is not None:
+        return _state
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return _SINGLE_PROCESS
+    raise ModelParallelNotInitializedError(
+        "the model-parallel groups are not initialized: with torch.distributed running, call "
+        "fairseq_megatron.parallel.parallel_state.initialize_model_parallel(N) first "
+        "(fairseq's tools do this at launch)")
+
+
+def get_process_groups() -> ProcessGroups:
+    """This rank's layout and groups (raises as :func:`_current`)."""
+    return _current()
+
+
+def get_parallel_layout() -> ParallelLayout:
+    """The layout of the groups built, or of a single process (all sizes 1)."""
+    return _current().layout
+
+
+def get_device_mesh():
+    """The ``DeviceMesh`` the groups were made on (None in a single process)."""
+    return _current().mesh
+
+
+def get_tensor_model_parallel() -> RankGroup:
+    """This rank's tensor-parallel group, with its size and this rank's index."""
+    return _current().tensor
+
+
+def get_tensor_model_parallel_group() -> ProcessGroup:
+    """The tensor-model-parallel group of this rank (``None`` in a single process)."""
+    return _current().tensor.group
+
+
+def get_context_parallel_group() -> ProcessGroup:
+    """The ranks that split this rank's sequences (``None`` in a single process)."""
+    return _current().context.group
 
 
 def get_pipeline_model_parallel_group() -> ProcessGroup:
-    """This rank's pipeline group: the same tensor part of every stage of
-    one model copy (``None`` in a single process). Raises as
-    :func:`get_tensor_model_parallel_group`."""
-    return _group("pipeline")
+    """This rank's pipeline group: the same tensor part of every stage of one model copy."""
+    return _current().pipeline.group
 
 
 def get_model_parallel_group() -> ProcessGroup:
-    """Every rank of this rank's model copy, ``T x P`` ranks (``None`` in a
-    single process). Raises as :func:`get_tensor_model_parallel_group`."""
-    return _group("model")
+    """Every rank of this rank's model copy, ``T x P`` ranks."""
+    return _current().model.group
 
 
 def get_embedding_group() -> ProcessGroup:
-    """The first and last stage of this rank's pipeline group (``None`` in
-    a single process). Raises as :func:`get_tensor_model_parallel_group`."""
-    return _group("embedding")
+    """The first and last stage of this rank's pipeline group."""
+    return _current().embedding.group
 
 
 def get_data_parallel_group() -> ProcessGroup:
-    """The data-parallel group of this rank (``None`` = the default group or a single process)."""
-    return _groups.data if _groups is not None else None
+    """The data-parallel group of this rank (``None``: the default group, or a
+    single process; fairseq then uses its global group)."""
+    return _state.data.group if _state is not None else None
 
 
 def world_size(group: ProcessGroup) -> int:
-    """Number of ranks in ``group``; 1 for ``None`` in single-process mode."""
-    if not dist.is_available() or not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group=group)
+    """Number of ranks in ``group``; 1 for ``None`` (a group of one)."""
+    return 1 if group is None else dist.get_world_size(group=group)
 
 
 def rank(group: ProcessGroup) -> int:
-    """This process's rank inside ``group``; 0 in single-process mode."""
-    if not dist.is_available() or not dist.is_initialized():
-        return 0
-    return dist.get_rank(group=group)
+    """This process's rank inside ``group``; 0 for ``None``."""
+    return 0 if group is None else dist.get_rank(group=group)
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    """The tensor-model-parallel size N (1 in a single process)."""
-    return world_size(get_tensor_model_parallel_group())
+    """The tensor-model-parallel size T (1 in a single process)."""
+    return _current().tensor.size
 
 
 def get_tensor_model_parallel_rank() -> int:
-    """This rank's index in its tensor-model-parallel group, 0..N-1: which model part it holds."""
-    return rank(get_tensor_model_parallel_group())
+    """This rank's index in its tensor-model-parallel group, 0..T-1: which model part it holds."""
+    return _current().tensor.rank
+
+
+def get_context_parallel_world_size() -> int:
+    """The context-parallel size C (1 in a single process)."""
+    return _current().context.size
 
 
 def get_data_parallel_world_size() -> int:
-    """Number of model copies, world size / (T x P) (1 in a single process)."""
-    return world_size(get_data_parallel_group())
+    """Number of model copies (1 in a single process)."""
+    if _state is None:
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return _state.data.size
 
 
 def get_data_parallel_rank() -> int:
     """Which model copy this rank belongs to: the data shard it reads."""
-    return rank(get_data_parallel_group())
+    if _state is None:
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return _state.data.rank
 
 
 def get_pipeline_model_parallel_world_size() -> int:
-    """The number of pipeline stages P (1 in a single process or without pipeline groups)."""
-    return _groups.layout.pipeline if _groups is not None else 1
+    """The number of pipeline stages P (1 in a single process)."""
+    return _current().pipeline.size
 
 
 def get_pipeline_model_parallel_rank() -> int:
     """This rank's stage, 0..P-1 (0 in a single process)."""
-    return rank(_groups.pipeline) if _groups is not None else 0
+    return _current().pipeline.rank
 
 
 def get_pipeline_model_parallel_ranks() -> List[int]:
     """The global ranks of this rank's pipeline group, in stage order."""
-    if _groups is not None:
-        return dist.get_process_group_ranks(_groups.pipeline)
-    return [dist.get_rank() if dist.is_available() and dist.is_initialized() else 0]
+    return list(_current().pipeline_ranks)
 
 
 def is_pipeline_first_stage() -> bool:
@@ -299,11 +349,9 @@ def is_pipeline_last_stage() -> bool:
 
 
 def get_tensor_model_parallel_src_rank() -> int:
-    """Global rank of model-parallel rank 0 in this rank's group."""
-    if not dist.is_available() or not dist.is_initialized():
-        return 0
-    tp = get_tensor_model_parallel_world_size()
-    return (dist.get_rank() // tp) * tp
+    """Global rank of tensor-parallel rank 0 in this rank's group."""
+    group = get_tensor_model_parallel_group()
+    return 0 if group is None else dist.get_global_rank(group, 0)
 
 
 class _DefaultGroup:
@@ -312,16 +360,24 @@ class _DefaultGroup:
 
 
 DEFAULT_GROUP = _DefaultGroup()
-"""Sentinel for layer constructors: "use :func:`get_tensor_model_parallel_group` now"."""
+"""Sentinel for layer constructors: "this rank's tensor-parallel group"."""
 
 
-def resolve_group(group) -> ProcessGroup:
-    """``group`` itself, or this rank's tensor-model-parallel group for :data:`DEFAULT_GROUP`."""
-    return get_tensor_model_parallel_group() if group is DEFAULT_GROUP else group
+def resolve_tensor_parallel(group) -> RankGroup:
+    """What a layer constructor's ``group`` argument means: this rank's
+    tensor-parallel group for :data:`DEFAULT_GROUP`, a :class:`RankGroup`
+    as it is (e.g. rank ``k`` of ``T`` without a process group), or a
+    process group (None: a group of one)."""
+    if group is DEFAULT_GROUP:
+        return get_tensor_model_parallel()
+    if isinstance(group, RankGroup):
+        return group
+    return RankGroup.of(group)
 
 
 class SharesProcessGroupsWhenCopied:
-    """Mixin for ``nn.Module`` classes that keep a process group as an attribute.
+    """Mixin for ``nn.Module`` classes that keep a process group (or a
+    :class:`RankGroup`) as an attribute.
 
     ``copy.deepcopy`` of a model built from them failed with "cannot pickle
     'ProcessGroup' object": fairseq-train ``--store-ema`` copies the whole
@@ -334,9 +390,10 @@ class SharesProcessGroupsWhenCopied:
 
     def __deepcopy__(self, memo):
         for value in vars(self).values():
-            if isinstance(value, dist.ProcessGroup):
+            if isinstance(value, (dist.ProcessGroup, RankGroup)):
                 memo[id(value)] = value
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied
         copied.__setstate__(copy.deepcopy(vars(self), memo))
         return copied
+

@@ -1,5 +1,4 @@
-"""Activation checkpointing (``--checkpoint-activations``) and regional compilation
-(``--compile-layers``) of model-parallel decoder layers.
+"""Activation checkpointing (``--checkpoint-activations``) of model-parallel decoder layers.
 
 fairseq's model-parallel decoder never checkpointed its layers, and fairseq's
 own ``checkpoint_wrapper`` restores only the default CPU/CUDA generators on
@@ -24,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
+from fairseq_megatron.modules.forward_wrappers import record_wrapper
 from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
 
 
@@ -109,69 +109,21 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Mo
     ``(T / N, B, C)`` sequence shard), are kept in host memory (pinned when
     they come from a GPU) and copied back for the recompute. For the
     device copy to be freed, the caller must not hold it either
-    (``ModelParallelTransformerDecoder.run_layers`` then keeps no inner states).
+    (:func:`apply_activation_checkpointing` makes the decoder keep no inner states).
     """
     module.forward = functools.partial(_checkpointed_forward, module.forward, offload_to_cpu)
-    _record_wrapper(module, checkpoint_wrapper, offload_to_cpu=offload_to_cpu)
+    record_wrapper(module, "forward", checkpoint_wrapper, offload_to_cpu=offload_to_cpu)
     return module
 
 
-def runs_compiled(module: nn.Module, incremental_state) -> bool:
-    """Whether a forward of ``module`` should take its compiled code: a
-    training pass with autograd on and no key/value cache. Evaluation and
-    incremental decoding change shapes every step and gain nothing from fusion."""
-    return module.training and incremental_state is None and torch.is_grad_enabled()
-
-
-def compile_for_training(module: nn.Module, backend: str = "inductor") -> nn.Module:
-    """``torch.compile`` ``module.forward`` for training steps only.
-
-    Regional compilation: every decoder layer gets the same code, so dynamo
-    traces it once and the layers share the compiled graph (parameters are
-    graph inputs). Evaluation and incremental decoding (``module.training``
-    false, no autograd, or a key/value cache) run the eager forward: their
-    shapes change every step and they gain nothing from fusion. Call before
-    :func:`checkpoint_wrapper`, so recomputation replays the compiled forward.
-    State-dict keys do not change. ``backend``: ``torch.compile``'s.
-    The decoder uses this per layer at model-parallel size > 1 or with
-    activation checkpointing; otherwise it compiles its whole layer stack
-    (``ModelParallelTransformerDecoder.compile_run_layers``).
-
-    At model-parallel size > 1, dropout on sharded activations (attention,
-    ``--activation-dropout``) swaps in the RNG tracker's stream, and dynamo
-    does not trace ``get_rng_state``/``set_rng_state``: each such dropout
-    splits the layer into more graphs (counted on CPU: 4 with attention
-    dropout, 6 with activation dropout as well). Without those dropouts the
-    layer stays one graph.
-    """
-    eager = module.forward
-    compiled = torch.compile(eager, backend=backend)
-
-    def forward(x, encoder_out=None, encoder_padding_mask=None, incremental_state=None, **kwargs):
-        run = compiled if runs_compiled(module, incremental_state) else eager
-        return run(x, encoder_out, encoder_padding_mask, incremental_state, **kwargs)
-
-    module.forward = forward
-    _record_wrapper(module, compile_for_training, backend=backend)
-    return module
-
-
-def _record_wrapper(module: nn.Module, wrapper, **kwargs) -> None:
-    vars(module).setdefault("_forward_wrappers", []).append((wrapper, kwargs))
-
-
-def rewrap_forward(copied: nn.Module) -> None:
-    """Give ``copied``, a ``copy.deepcopy`` of a module wrapped by
-    :func:`compile_for_training` and/or :func:`checkpoint_wrapper`, wrappers
-    of its own, applied in the original's order.
-
-    The wrappers replace ``module.forward`` by functions bound to that
-    module, and deepcopy keeps a function as it is: the copy's forward would
-    run the original module, with the original's weights (a copy made for
-    fairseq's ``--store-ema``, or by a user). Modules without wrappers are
-    left alone."""
-    wrappers = vars(copied).pop("_forward_wrappers", [])
-    if wrappers:
-        del vars(copied)["forward"]
-    for wrap, kwargs in wrappers:
-        wrap(copied, **kwargs)
+def apply_activation_checkpointing(decoder: nn.Module, offload_to_cpu: bool = False) -> None:
+    """Checkpoint every decoder layer that ``decoder`` holds
+    (``--checkpoint-activations``; ``offload_to_cpu``: ``--offload-activations``,
+    which then also makes the decoder keep no per-layer outputs, see
+    :func:`checkpoint_wrapper`). Apply after any per-layer compilation, so
+    that the recompute replays the compiled forward (torchtitan's ``apply_ac``
+    after ``apply_compile`` does the same)."""
+    for layer in decoder.held_layers():
+        checkpoint_wrapper(layer, offload_to_cpu=offload_to_cpu)
+    if offload_to_cpu:
+        decoder.keep_inner_states = False

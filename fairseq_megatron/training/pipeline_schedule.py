@@ -47,7 +47,9 @@ import torch.nn as nn
 from fairseq import utils
 
 from fairseq_megatron.errors import UsageError
+from fairseq_megatron.models.pipeline_stage import PipelineStageLayout
 from fairseq_megatron.parallel import parallel_state
+from fairseq_megatron.training.autocast import apply_bf16_autocast
 
 def _rows(sample) -> int:
     if not sample or "net_input" not in sample:
@@ -97,14 +99,29 @@ def stack_micro_batches(samples: List[Optional[dict]], micro_batches: int, rows:
 
 
 class _StageModule(nn.Module):
-    """What torch's ``PipelineStage`` calls: the decoder's :meth:`forward_stage`."""
+    """What torch's ``PipelineStage`` calls: this stage's share of a
+    training or validation pass through ``decoder`` (split for ``stage``,
+    :mod:`fairseq_megatron.training.pipeline_split`)."""
 
-    def __init__(self, decoder):
+    def __init__(self, decoder, stage: PipelineStageLayout):
         super().__init__()
-        self.decoder = decoder
+        self.decoder, self.stage = decoder, stage
 
     def forward(self, x):
-        return self.decoder.forward_stage(x)
+        """The first stage takes tokens ``(B, T)``, the others the previous
+        stage's output ``(T, B, C)``; the last returns this tensor rank's
+        logits ``(B, T, V / N)``, the others ``(T, B, C)``. No key padding
+        mask: the micro-batches are full blocks, padded only at their ends
+        (fairseq's right padding), and the causal mask already keeps every
+        real position from attending to them; their targets are padding,
+        which the loss ignores."""
+        decoder = self.decoder
+        if self.stage.is_first:
+            x, _ = decoder.embed(x)
+        x, _ = decoder.run_layers(x, decoder.buffered_future_mask(x), None)
+        if self.stage.is_last:
+            return decoder.output_layer(decoder.final_layer_norm(x), gather_logits=False)
+        return x.contiguous()  # sent to the next stage as it is laid out
 
 
 class PipelineSchedule:
@@ -112,17 +129,21 @@ class PipelineSchedule:
     1F1B schedule over it, with fairseq's ``train_step``/``valid_step``
     (see the module docstring).
 
-    ``model``: this rank's stage (unwrapped); ``micro_batches``: ``m``, the
-    update's ``--update-freq``; ``rows`` x ``length``: the micro-batch shape
-    ``(B, T)``; ``pad``: the padding index.
+    ``model``: this rank's stage (unwrapped; split for ``stage``);
+    ``micro_batches``: ``m``, the update's ``--update-freq``; ``rows`` x
+    ``length``: the micro-batch shape ``(B, T)``; ``pad``: the padding index;
+    ``bf16_autocast``: run the stage's passes under bf16 autocast
+    (:mod:`fairseq_megatron.training.autocast`).
 
     Raises (on construction):
         UsageError: fewer micro-batches than stages.
     """
 
-    def __init__(self, model, micro_batches: int, rows: int, length: int, pad: int):
+    def __init__(self, model, stage: PipelineStageLayout, micro_batches: int, rows: int, length: int, pad: int,
+                 bf16_autocast: bool = False):
         self.model = model
-        self.stage = model.decoder.pipeline_stage
+        self.stage = stage
+        self.bf16_autocast = bf16_autocast
         if micro_batches < self.stage.stages:
             raise UsageError(f"--update-freq {micro_batches} is below --pipeline-model-parallel-size "
                              f"{self.stage.stages}: the 1F1B schedule needs at least one micro-batch per stage")
@@ -143,8 +164,10 @@ class PipelineSchedule:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
         if self._schedule is None:
-            stage = PipelineStage(_StageModule(self.model.decoder), self.stage.stage, self.stage.stages, device,
-                                  group=self.group)
+            module = _StageModule(self.model.decoder, self.stage)
+            if self.bf16_autocast:
+                apply_bf16_autocast(module)
+            stage = PipelineStage(module, self.stage.stage, self.stage.stages, device, group=self.group)
             self._schedule = Schedule1F1B(stage, self.micro_batches, loss_fn=lambda out, tgt: self._loss_fn(out, tgt),
                                           scale_grads=False)
         return self._schedule
@@ -240,10 +263,16 @@ class PipelineSchedule:
 
     def _sum_embedding_grads(self) -> None:
         """Sum the gradients of the tied embedding's two copies (first and
-        last stage) over the embedding group."""
-        if self.stage.stages == 1 or not self.stage.tied_embeddings or not self.stage.holds_embedding:
+        last stage: the parameters tagged ``shared_embedding``) over the
+        embedding group."""
+        if self.stage.stages == 1:
             return
-        weight = self.model.decoder.embed_tokens.weight
+        for weight in self.model.parameters():
+            if getattr(weight, "shared_embedding", False):
+                self._sum_over_embedding_group(weight)
+
+    @staticmethod
+    def _sum_over_embedding_group(weight) -> None:
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())

@@ -10,7 +10,8 @@ import pytest
 import torch.distributed as dist
 
 from fairseq_megatron.parallel import parallel_state
-from fairseq_megatron.training.activation_checkpointing import checkpoint_wrapper, compile_for_training
+from fairseq_megatron.training.activation_checkpointing import checkpoint_wrapper
+from fairseq_megatron.training.compile import compile_for_training
 from tests.helpers import build_model, init_model_parallel, run_distributed
 from tests.support.model_copies import check_copy
 

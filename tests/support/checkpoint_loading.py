@@ -15,8 +15,9 @@ DRAWN = ("_proj.weight", "fc1.weight", "fc2.weight", "embed_tokens.weight")
 
 def built_both_ways(model_parallel_size: int, seed: int = 7, **overrides) -> dict:
     """Our model built from ``seed`` as before, and again with its draws
-    deferred, cast to fp16 (as fairseq's trainer does before it looks for a
-    checkpoint), then drawn: what each way gives and leaves behind."""
+    deferred, materialized (NaN), cast to fp16 (as fairseq's trainer does
+    before it looks for a checkpoint), then drawn: what each way gives and
+    leaves behind."""
     drawn, _ = build_model(model_parallel_size, seed=seed, **overrides)
     generator_after_the_build = torch.get_rng_state()
 
@@ -25,6 +26,7 @@ def built_both_ways(model_parallel_size: int, seed: int = 7, **overrides) -> dic
     with sharding.initialisation_deferred() as deferred:
         lazy = ModelParallelTransformerLanguageModel.build_model(args, LMTask(make_dictionary()))
     moved = deferred.generator_moved()
+    deferred.materialize(lazy)
     nan_before = sorted(n for n, p in lazy.named_parameters() if torch.isnan(p).all())
     queued = len(deferred)
     lazy.half()

@@ -38,28 +38,29 @@ def save_fairseq_checkpoint(directory, seed=5, drop=None) -> tuple:
 
 
 @pytest.fixture
-def nan_before_loading(monkeypatch):
-    """The names of the parameters that are all NaN when fairseq loads the
+def unfilled_before_loading(monkeypatch):
+    """The names of the parameters that hold no values yet (on the ``meta``
+    device: neither drawn nor even allocated) when fairseq loads the
     checkpoint into the model it built, one list per load."""
     seen = []
     original = ModelParallelTransformerLanguageModel.load_state_dict
 
     def load_state_dict(self, *args, **kwargs):
-        seen.append(sorted(n for n, p in self.named_parameters() if torch.isnan(p).all()))
+        seen.append(sorted(n for n, p in self.named_parameters() if p.is_meta))
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(ModelParallelTransformerLanguageModel, "load_state_dict", load_state_dict)
     return seen
 
 
-def test_a_model_built_for_a_checkpoint_draws_no_initial_weights(tmp_path, nan_before_loading):
+def test_a_model_built_for_a_checkpoint_draws_no_initial_weights(tmp_path, unfilled_before_loading):
     path, weights = save_fairseq_checkpoint(tmp_path)
     drawn = sorted(n for n in dict(build_model(1)[0].named_parameters()) if n.endswith(DRAWN))
     assert len(drawn) == 2 * 6 + 1  # 2 layers of 6 weight matrices, and the embedding
 
     generator = torch.get_rng_state()
     (model,), _, _ = checkpoint_utils.load_model_ensemble_and_task([path])
-    assert nan_before_loading == [drawn]  # none drawn: NaN until the checkpoint filled them
+    assert unfilled_before_loading == [drawn]  # none drawn: no values until the checkpoint filled them
     assert torch.equal(torch.get_rng_state(), generator)  # nor the tied output projection's own weight
     loaded = model.state_dict()
     assert loaded.keys() == weights.keys()
@@ -136,7 +137,9 @@ def test_fairseq_train_builds_deferred_unless_the_build_draws_elsewhere():
     assert build(0, may_be_loaded=False).deferred_initialisation is None  # no checkpoint may come: drawn at once
     lazy = build(4)
     assert len(lazy.deferred_initialisation) == 14
-    assert torch.isnan(lazy.decoder.layers[0].fc1.weight).all()
+    assert lazy.decoder.layers[0].fc1.weight.is_meta  # no memory until materialized
+    lazy.materialize()
+    assert torch.isnan(lazy.decoder.layers[0].fc1.weight).all()  # NaN until drawn or loaded
     lazy.run_deferred_initialisation()
     assert lazy.deferred_initialisation is None
     for name, tensor in build_model(1, seed=4)[0].state_dict().items():

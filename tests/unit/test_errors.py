@@ -58,15 +58,30 @@ def test_a_failed_fairseq_train_removes_only_the_empty_directories_it_made(tmp_p
 
 
 def test_model_parallel_size_without_distributed_init():
-    with pytest.raises(UsageError, match=re.escape(
-            "--model-parallel-size 2 needs 2 processes, one per model part, and this run is one process: "
-            "launch it with torchrun --nproc_per_node 2")):
-        build_model(2)
-    # fairseq ran 0 as size 1, and -1 failed on the group size only in a build
-    for size in (0, -1):
+    """The layout, built by every entry point before any work, checks the
+    sizes; a model built for size 2 in the single-process layout says so too."""
+    from fairseq_megatron.parallel import parallel_state
+
+    try:
         with pytest.raises(UsageError, match=re.escape(
-                f"--model-parallel-size {size}: the number of model parts is at least 1")):
-            build_model(size)
+                "--model-parallel-size 2 needs 2 processes, one per model part, and this run is one process: "
+                "launch it with torchrun --nproc_per_node 2")):
+            parallel_state.initialize_model_parallel(2)
+        # fairseq ran 0 as size 1, and -1 failed on the group size only in a build
+        for size in (0, -1):
+            with pytest.raises(UsageError, match=re.escape(
+                    f"--model-parallel-size {size}: the number of model parts is at least 1")):
+                parallel_state.initialize_model_parallel(size)
+        with pytest.raises(UsageError, match=re.escape(
+                "--pipeline-model-parallel-size 0: the number of pipeline stages is at least 1")):
+            parallel_state.initialize_model_parallel(1, 0)
+        parallel_state.initialize_model_parallel(1)
+        assert parallel_state.get_process_groups().mesh is None  # the single-process mode: no mesh
+        with pytest.raises(UsageError, match=re.escape(
+                "the model is configured for model-parallel size 2 but this run's model-parallel group has 1")):
+            build_model(2)
+    finally:
+        parallel_state.destroy_model_parallel()
 
 
 def test_training_precisions_that_fail_on_this_machine_are_refused(monkeypatch):
@@ -114,20 +129,27 @@ def test_bf16_autocast_refuses_fp16_training():
 
 def test_cuda_graphs_need_the_compiled_layer_stack():
     """--cuda-graphs replays the one compiled region of the whole stack; where
-    there is none (no --compile-layers, or checkpointing) switching to
-    training refuses it, while evaluation of such a model still runs. Gradient
-    accumulation, whose sums the replays would overwrite, is refused when
-    the model is built."""
+    there is none (no --compile-layers, or checkpointing) preparing the model
+    for training refuses it (what MegatronTrainer applies:
+    :func:`fairseq_megatron.training.parallelize.parallelize`), while
+    evaluation of such a model, which applies none of it, still runs.
+    Gradient accumulation, whose sums the replays would overwrite, is refused
+    when the model is built."""
+    from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
+    from fairseq_megatron.training.parallelize import parallelize
+    from tests.helpers import LMTask, model_args
+
     tokens, _ = make_batch(make_dictionary())
     for overrides in ({}, {"compile_layers": True, "checkpoint_activations": True},
                       {"compile_layers": True, "offload_activations": True}):
-        model, _ = build_model(1, cuda_graphs=True, **overrides)
+        args = model_args(1, cuda_graphs=True, **overrides)
+        model = ModelParallelTransformerLanguageModel.build_model(args, LMTask(make_dictionary()))
         model.eval()
         with torch.no_grad():
             model(tokens)
         with pytest.raises(UsageError,
                            match="--cuda-graphs replays the compiled layer stack: it needs --compile-layers"):
-            model.train()
+            parallelize(model, args)
     with pytest.raises(UsageError, match="--cuda-graphs with --update-freq 2: a CUDA graph replay would overwrite"):
         build_model(1, cuda_graphs=True, compile_layers=True, update_freq=[2])
     build_model(1, cuda_graphs=True, compile_layers=True, update_freq=[1])  # the supported case: fine

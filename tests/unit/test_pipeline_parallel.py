@@ -37,8 +37,21 @@ def test_layout_orders_tensor_then_data_then_pipeline():
     assert layout.pipeline_parallel_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert layout.model_parallel_groups() == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert layout.embedding_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert [layout.coordinates(r) for r in (0, 3, 6)] == [(0, 0, 0), (1, 1, 0), (0, 1, 1)]
-    assert all(layout.rank(*layout.coordinates(r)) == r for r in range(8))
+    # (tensor, context, data, pipeline)
+    assert [tuple(layout.coordinates(r)) for r in (0, 3, 6)] == [(0, 0, 0, 0), (1, 0, 1, 0), (0, 0, 1, 1)]
+    assert all(layout.rank(**layout.coordinates(r)._asdict()) == r for r in range(8))
+
+
+def test_layout_puts_context_between_tensor_and_data():
+    """Megatron-Core's "tp-cp-dp-pp": T 2 x C 2 x D 2, context-parallel
+    groups stride over the tensor ranks, data-parallel ones over both."""
+    layout = ParallelLayout(8, tensor=2, context=2)
+    assert layout.data == 2 and layout.mesh_shape == (1, 2, 2, 2)
+    assert layout.tensor_parallel_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.context_parallel_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.data_parallel_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.model_parallel_groups() == layout.tensor_parallel_groups()
+    assert tuple(layout.coordinates(7)) == (1, 1, 1, 0)
 
 
 def test_layout_without_pipeline_is_the_tensor_parallel_one():

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from fairseq_megatron.parallel.rng_tracker import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker
 from fairseq_megatron.training.activation_checkpointing import checkpoint_wrapper
+from fairseq_megatron.training.compile import compile_layer_stack
 from tests.helpers import build_model, make_batch
 from tests.support.rng_and_checkpointing import training_pass
 
@@ -146,7 +147,7 @@ def test_offloaded_compiled_layers_match_eager():
     and the recompute from the host copy both run the compiled graph; loss
     and gradients equal the eager model's within 1e-5, the tolerance of
     the compile tests above (fused kernels reorder fp32 sums)."""
-    from fairseq_megatron.training.activation_checkpointing import compile_for_training
+    from fairseq_megatron.training.compile import compile_for_training
 
     torch._dynamo.reset()
     results = []
@@ -168,7 +169,7 @@ def test_compiled_layers_match_eager():
     within 1e-5 (fused kernels reorder sums; a wrong graph is off by far
     more). The aot_eager backend exercises dynamo tracing and the autograd
     graph without needing a C++ compiler; GPUs use the default (inductor)."""
-    from fairseq_megatron.training.activation_checkpointing import compile_for_training
+    from fairseq_megatron.training.compile import compile_for_training
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -186,7 +187,7 @@ def test_compiled_layers_match_eager():
 
 def test_compiled_layer_stack_matches_eager():
     """At model-parallel size 1 ``--compile-layers`` compiles all layers as one
-    region (:meth:`ModelParallelTransformerDecoder.compile_run_layers`): the
+    region (:func:`fairseq_megatron.training.compile.compile_layer_stack`): the
     same 1e-5 agreement with the eager model as per-layer compilation, and
     the stack is one graph (a break would show as more)."""
     torch._dynamo.reset()
@@ -196,7 +197,7 @@ def test_compiled_layer_stack_matches_eager():
     for compiled in (False, True):
         model, dictionary = build_model(1, seed=0, decoder_layers=3)
         if compiled:
-            model.decoder.compile_run_layers(backend="aot_eager")
+            compile_layer_stack(model.decoder, backend="aot_eager")
         results.append(training_pass(model, dictionary))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
     for name, g in results[0][1].items():
@@ -223,7 +224,7 @@ def test_compiled_layer_stack_backward_takes_one_gradient():
 
     torch._dynamo.reset()
     model, dictionary = build_model(1, seed=0, decoder_layers=3)
-    model.decoder.compile_run_layers(backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
+    compile_layer_stack(model.decoder, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
     model.train()
     tokens, target = make_batch(dictionary, pad_tail=0)
     logits, extra = model(tokens)
@@ -242,10 +243,10 @@ def test_compile_layers_picks_the_stack_or_each_layer():
     """The whole stack at size 1; each layer under --checkpoint-activations
     (whose recompute replays RNG states outside any graph)."""
     stack, _ = build_model(1, compile_layers=True)
-    assert stack.decoder.compile_layer_stack and stack.decoder._compiled_layer_stack is not None
+    assert "run_layer_stack" in vars(stack.decoder) and hasattr(stack.decoder, "compiled_layer_stack")
     assert all("forward" not in vars(layer) for layer in stack.decoder.layers)
     per_layer, _ = build_model(1, compile_layers=True, checkpoint_activations=True)
-    assert not per_layer.decoder.compile_layer_stack and per_layer.decoder._compiled_layer_stack is None
+    assert "run_layer_stack" not in vars(per_layer.decoder)
     assert all("forward" in vars(layer) for layer in per_layer.decoder.layers)
 
 
@@ -255,10 +256,9 @@ def test_cuda_graphs_compile_the_stack_in_reduce_overhead_mode(monkeypatch):
     aot_eager) take no mode."""
     calls = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
-    graphs, _ = build_model(1, compile_layers=True, cuda_graphs=True)
-    plain, _ = build_model(1, compile_layers=True)
-    graphs.decoder.compile_run_layers(backend="aot_eager")
-    assert graphs.decoder.cuda_graphs and not plain.decoder.cuda_graphs
+    build_model(1, compile_layers=True, cuda_graphs=True)
+    build_model(1, compile_layers=True)
+    compile_layer_stack(build_model(1)[0].decoder, backend="aot_eager", cuda_graphs=True)
     assert calls == [{"mode": "reduce-overhead"}, {"backend": "inductor"}, {"backend": "aot_eager"}]
 
 

@@ -1,0 +1,258 @@
+"""The tensor-parallel Transformer decoder: its layers, and its forward with
+tensor and sequence parallelism.
+
+Everything else that changes how a training pass runs is applied to a built
+model from outside, by :mod:`fairseq_megatron.training`: the pipeline
+split, activation checkpointing and offload, compilation, CUDA graphs and
+bf16 autocast. State-dict keys and per-rank shapes are those of fairseq's
+``model_parallel/models/transformer.py``.
+"""
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from fairseq.models.transformer import TransformerConfig, TransformerDecoder
+from fairseq.utils import safe_getattr
+
+from fairseq_megatron.modules import (
+    ColumnParallelLinear,
+    ModelParallelTransformerDecoderLayer,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from fairseq_megatron.modules import sharding
+from fairseq_megatron.modules.forward_wrappers import rewrap
+from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
+from fairseq_megatron.parallel import parallel_state
+from fairseq_megatron.training.padding import has_padding
+
+
+class ModelParallelTransformerDecoder(KeepsParameterAttributes, TransformerDecoder):
+    """fairseq's TransformerDecoder with tensor-parallel layers and output projection.
+
+    The output projection uses the vocab-parallel embedding weight
+    (``--share-decoder-input-output-embed``, as Megatron-11b; the weight is
+    then tagged ``shared_embedding``) or its own ``(V / N, C)``
+    column-parallel weight. Logits are gathered to the full vocabulary
+    unless the caller passes ``gather_logits=False``, whatever criterion a
+    checkpoint was trained with (fairseq's own decoder decided by the stored
+    criterion name, which broke eval-lm and generation: fairseq issues 2358,
+    3507).
+
+    ``tensor_parallel``: the group its layers split over (default: this
+    rank's; a :class:`~fairseq_megatron.parallel.parallel_state.RankGroup`
+    builds rank ``k`` of ``T`` without process groups).
+    """
+
+    def __init__(self, args, dictionary, embed_tokens, tensor_parallel=parallel_state.DEFAULT_GROUP):
+        self.tensor_parallel = parallel_state.resolve_tensor_parallel(tensor_parallel)
+        self.sequence_parallel = bool(safe_getattr(args, "sequence_parallel", False))
+        # every layer's output (fairseq's inner_states); activation offload turns this off
+        self.keep_inner_states = True
+        super().__init__(args, dictionary, embed_tokens, no_encoder_attn=True)
+        if self.share_input_output_embed:
+            self.embed_tokens.set_parameter_attributes("weight", shared_embedding=True)
+        self.tag_parameters()  # fairseq's layer norms and positions: replicated
+
+    def build_decoder_layer(self, cfg, no_encoder_attn=False):
+        if not isinstance(cfg, TransformerConfig):
+            cfg = TransformerConfig.from_namespace(cfg)
+        return ModelParallelTransformerDecoderLayer(cfg, group=self.tensor_parallel)
+
+    def build_output_projection(self, cfg, dictionary, embed_tokens):
+        if self.share_input_output_embed:
+            # nn.Linear whose weight *is* the embedding shard, (V / N, C): keeps
+            # fairseq's key decoder.output_projection.weight, tied as in fairseq.
+            # Its own weight is replaced at once; where a checkpoint's weights
+            # follow, it is not even drawn (2.6 s of CPU for Megatron-11b's).
+            # Deferred, the draw (thrown away again) keeps its place in the
+            # generator's sequence, so the layers after it get their weights.
+            shape = (embed_tokens.weight.shape[1], embed_tokens.weight.shape[0])
+            linear = nn.Linear
+            if sharding.draw_later(functools.partial(nn.Linear, *shape, bias=False)):
+                linear = functools.partial(torch.nn.utils.skip_init, nn.Linear, device="meta")
+            self.output_projection = linear(*shape, bias=False)
+            self.output_projection.weight = embed_tokens.weight
+        else:
+            dim = self.output_embed_dim
+            self.output_projection = ColumnParallelLinear(
+                dim, len(dictionary), bias=False,
+                init_method=lambda w: nn.init.normal_(w, mean=0.0, std=dim ** -0.5),
+                group=self.tensor_parallel,
+            )
+
+    # ------------------------------------------------------------ the forward
+
+    def extract_features_scriptable(
+        self,
+        prev_output_tokens,
+        encoder_out=None,
+        incremental_state=None,
+        full_context_alignment: bool = False,
+        alignment_layer: Optional[int] = None,
+        alignment_heads: Optional[int] = None,
+    ):
+        """fairseq's ``TransformerDecoderBase.extract_features_scriptable`` for
+        a decoder-only LM, with sequence parallelism around the layer stack
+        (:meth:`run_layers`). Returns features ``(B, T, C)`` and ``{"attn":
+        [None], "inner_states"}`` (the inner states are sequence shards when
+        sequence parallelism ran).
+
+        Raises:
+            RuntimeError: the decoder holds one pipeline stage (its passes run
+                through the pipeline schedule).
+        """
+        if encoder_out is not None:
+            raise NotImplementedError("ModelParallelTransformerDecoder is decoder-only")
+        if self.embed_tokens is None or self.output_projection is None:
+            raise RuntimeError("this decoder holds one pipeline stage: its passes run through the pipeline "
+                               "schedule; evaluation loads the checkpoint at one stage")
+        x, self_attn_padding_mask = self.embed(prev_output_tokens, incremental_state)
+        self_attn_mask = None
+        if incremental_state is None and not full_context_alignment:
+            self_attn_mask = self.buffered_future_mask(x)  # (T, T), from the full length
+        x, inner_states = self.run_layers(x, self_attn_mask, self_attn_padding_mask, incremental_state)
+        return self.final_layer_norm(x), {"attn": [None], "inner_states": inner_states}
+
+    def embed(self, prev_output_tokens, incremental_state=None):
+        """Tokens ``(B, T)`` -> the first layer's input ``(T, B, C)`` (scaled
+        token embeddings plus positions, dropout applied) and the key padding
+        mask ``(B, T)`` (None where the batch holds no padding). With an
+        incremental state, the last position only (``T = 1``)."""
+        positions = None
+        if self.embed_positions is not None:
+            positions = self.embed_positions(prev_output_tokens, incremental_state=incremental_state)
+        if incremental_state is not None:
+            prev_output_tokens = prev_output_tokens[:, -1:]
+            if positions is not None:
+                positions = positions[:, -1:]
+        prev_output_tokens = prev_output_tokens.contiguous()
+        x = self.embed_scale * self.embed_tokens(prev_output_tokens)
+        if self.project_in_dim is not None:
+            x = self.project_in_dim(x)
+        if positions is not None:
+            x += positions
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
+        x = self.dropout_module(x)
+        padding_mask = None
+        if has_padding(prev_output_tokens, self.padding_idx):  # read on the host when fairseq-train marked it
+            padding_mask = prev_output_tokens.eq(self.padding_idx)
+        return x.transpose(0, 1), padding_mask
+
+    def uses_sequence_parallel(self, x, incremental_state) -> bool:
+        """Sequence parallelism runs in training passes whose length T divides
+        by the group size; otherwise the same layers take the plain
+        tensor-parallel path (identical results, all-reduce communication)."""
+        n = self.tensor_parallel.size
+        return (self.sequence_parallel and n > 1 and self.training and incremental_state is None
+                and x.size(0) % n == 0)
+
+    def run_layers(self, x, self_attn_mask, self_attn_padding_mask, incremental_state=None):
+        """The decoder layers this model holds on ``x`` ``(T, B, C)`` ->
+        ``(x, inner_states)``, with sequence parallelism around them where it
+        applies: ``x`` is split to ``(T / N, B, C)`` before the first layer
+        and gathered after the last."""
+        group = self.tensor_parallel.group
+        sequence_parallel = self.uses_sequence_parallel(x, incremental_state)
+        if sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, group)
+        x, inner_states = self.run_layer_stack(x, self_attn_mask, self_attn_padding_mask, incremental_state,
+                                               sequence_parallel)
+        if sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, group, to_tensor_parallel_region=False)
+        return x, inner_states
+
+    def held_layers(self):
+        """The decoder layers this model holds, in order (all of them, or
+        after a pipeline split one stage's)."""
+        return self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
+
+    def run_layer_stack(self, x, self_attn_mask, self_attn_padding_mask, incremental_state, sequence_parallel: bool):
+        """Every decoder layer held, in turn: ``x`` ``(T, B, C)`` (or the
+        ``(T / N, B, C)`` sequence shard) -> ``(x, inner_states)``, the input
+        and each layer's output (only the last where :attr:`keep_inner_states`
+        is off: with offloaded activations each layer's input lives in host
+        memory, and a list of them would hold them on the device). Masks as
+        in :class:`~fairseq_megatron.modules.ModelParallelTransformerDecoderLayer`.
+        The region that whole-stack compilation replaces
+        (:mod:`fairseq_megatron.training.compile`)."""
+        keep = self.keep_inner_states or not torch.is_grad_enabled()
+        inner_states = [x] if keep else []
+        for layer in self.held_layers():
+            x, _, _ = layer(
+                x, None, None, incremental_state,
+                self_attn_mask=self_attn_mask,
+                self_attn_padding_mask=self_attn_padding_mask,
+                sequence_parallel=sequence_parallel,
+            )
+            if keep:
+                inner_states.append(x)
+        return x, inner_states if keep else [x]
+
+    def final_layer_norm(self, x):
+        """The last layer's output ``(T, B, C)`` -> features ``(B, T, C)``."""
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+        x = x.transpose(0, 1)
+        if self.project_out_dim is not None:
+            x = self.project_out_dim(x)
+        return x
+
+    def output_layer(self, features, gather_logits: bool = True):
+        """``(B, T, C)`` replicated -> ``(B, T, V)`` replicated, or this rank's
+        ``(B, T, V / N)`` shard with ``gather_logits=False``."""
+        group = self.tensor_parallel.group
+        x = copy_to_tensor_model_parallel_region(features, group)
+        logits = F.linear(x, self.output_projection.weight)
+        if gather_logits:
+            logits = gather_from_tensor_model_parallel_region(logits, group)
+        return logits
+
+    def forward(self, prev_output_tokens, encoder_out=None, incremental_state=None, features_only: bool = False,
+                full_context_alignment: bool = False, alignment_layer: Optional[int] = None,
+                alignment_heads: Optional[int] = None, src_lengths=None, return_all_hiddens: bool = False,
+                gather_logits: bool = True):
+        """``prev_output_tokens`` ``(B, T)`` -> (logits ``(B, T, V)`` or
+        ``(B, T, V / N)`` with ``gather_logits=False``, extra dict)."""
+        x, extra = self.extract_features(
+            prev_output_tokens,
+            encoder_out=encoder_out,
+            incremental_state=incremental_state,
+            full_context_alignment=full_context_alignment,
+            alignment_layer=alignment_layer,
+            alignment_heads=alignment_heads,
+        )
+        if not features_only:
+            x = self.output_layer(x, gather_logits=gather_logits)
+        return x, extra
+
+    def __deepcopy__(self, memo):
+        """A copy (fairseq's ``--store-ema``, or a user's) with wrappers of its
+        own (:func:`~fairseq_megatron.modules.forward_wrappers.rewrap`)."""
+        copied = super().__deepcopy__(memo)
+        rewrap(copied)
+        return copied
+
+    def upgrade_state_dict_named(self, state_dict, name):
+        """fairseq's upgrade, minus one false alarm: a state dict without the
+        ``{name}.version`` buffer was taken for a checkpoint from before the
+        final layer norm existed, and the norm was deleted from this decoder
+        (``TransformerDecoderBase.upgrade_state_dict_named``). fairseq's EMA
+        (``--store-ema``) loads such a dict into its copy after every update,
+        since it skips keys named "version" (``fairseq/models/ema/ema.py``):
+        the EMA model then ran without its final layer norm and was saved
+        without it. A dict that holds the final norm's weights is no such old
+        checkpoint; it gets the current version."""
+        version_key = f"{name}.version"  # fairseq's key (the model names its decoder "decoder")
+        if version_key not in state_dict and f"{name}.layer_norm.weight" in state_dict:
+            state_dict[version_key] = self.version.detach().clone()
+        result = super().upgrade_state_dict_named(state_dict, name)
+        if self.output_projection is None:  # fairseq added the tied projection's key (a stage before the last)
+            state_dict.pop(f"{name}.output_projection.weight", None)
+        return result

@@ -7,13 +7,15 @@ package registers the ``model_parallel_transformer_lm`` model, the
 task for them, and makes fairseq's ``--model-parallel-size`` work
 (:mod:`fairseq_megatron.fairseq_integration`).
 
-The package, by what each part is about: ``parallel/`` (process groups,
-communication, RNG streams, gradient norm), ``modules/`` (the parallel
-layers), ``models/`` (the model, its options, the registry),
-``criterions/``, ``checkpoint/`` (part files, resharding, export),
-``training/`` (fused AdamW, activation checkpointing, padding),
-``fairseq_integration/`` (where it meets fairseq), ``cli/`` (its commands),
-``hub.py`` (the Python API) and ``planner.py`` (cluster layouts).
+The package, by what each part is about, each importing only those before
+it: ``parallel/`` (the layout, process groups, communication, RNG streams,
+gradient norm), ``modules/`` (the parallel layers and how their parameters
+are split), ``models/`` (the model, its decoder, its options, the
+registry), ``training/`` (what training applies to a built model, the
+pipeline schedule, fused AdamW), ``criterions/``, ``checkpoint/`` (part
+files, resharding, export), ``fairseq_integration/`` (where it meets
+fairseq), ``cli/`` (its commands), ``hub.py`` (the Python API) and
+``planner.py`` (cluster layouts); docs/architecture.md draws it.
 
 State travels on objects (the trainer, the task, the model, the datasets).
 The module-level state that changes at run time, each where nothing can
@@ -24,7 +26,8 @@ carry it instead:
   Megatron's process-wide API, which fairseq imports as ``mpu``;
 - ``modules.sharding._deferred`` and ``_may_be_loaded``: the layers'
   constructors, called by fairseq's decoder, take no argument that could say
-  "defer your draws" or "discard them";
+  "defer your draws", and fairseq-train builds the model through any task,
+  with no argument that could say "a checkpoint may fill the weights";
 - ``modules.vocab_parallel_cross_entropy._COMPILED``: the compiled kernels, built once;
 - ``fairseq_integration.patching.REPLACEMENTS`` and
   ``fairseq_integration._INSTALLED``: the replacements of fairseq functions,

@@ -36,7 +36,7 @@ from argparse import Namespace
 
 import torch
 
-from fairseq_megatron.checkpoint.layout import partition_dim
+from fairseq_megatron.checkpoint.layout import partition_dims
 from fairseq_megatron.checkpoint.part_files import part_path
 
 
@@ -60,7 +60,7 @@ def model_shapes(layers: int, hidden: int, ffn: int, vocab: int):
     return shapes
 
 
-def flat_adam_state(model: dict, keys, rank: int) -> dict:
+def flat_adam_state(model: dict, keys, rank: int, dims: dict) -> dict:
     """Random Adam moments for the parameters ``keys`` of model part
     ``rank``, flat fp32 in parameter order, as fairseq's FP16Optimizer saves
     them; equal on every part for replicated parameters, as training leaves
@@ -69,7 +69,7 @@ def flat_adam_state(model: dict, keys, rank: int) -> dict:
     for n, name in enumerate(("exp_avg", "exp_avg_sq")):
         pieces = []
         for i, key in enumerate(keys):
-            seed = (i, n) if partition_dim(key) is None else (i, n, rank)
+            seed = (i, n) if dims[key] is None else (i, n, rank)
             g = torch.Generator().manual_seed(hash(seed) % 2**31)
             pieces.append(torch.randn(model[key].numel(), generator=g))
         moments[name] = torch.cat(pieces)
@@ -86,11 +86,12 @@ def write_parts(path: str, parts: int, layers: int, hidden: int, ffn: int, heads
     args = Namespace(arch="transformer_lm_megatron", decoder_layers=layers, decoder_embed_dim=hidden,
                      decoder_ffn_embed_dim=ffn, decoder_attention_heads=heads, model_parallel_size=parts,
                      share_decoder_input_output_embed=True)
+    dims = partition_dims(args, vocab)  # how the model's parameters say they are split
     for rank in range(parts):
         model = {}
         for i, (key, shape) in enumerate(shapes):
             g = torch.Generator().manual_seed(i)  # same full tensor on every rank
-            dim = partition_dim(key)
+            dim = dims[key]
             if dim is None:
                 model[key] = torch.randn(shape, generator=g).to(dtype)
             else:
@@ -100,7 +101,7 @@ def write_parts(path: str, parts: int, layers: int, hidden: int, ffn: int, heads
                 model[key] = torch.randn(local, generator=g).to(dtype)
         state = {"args": args, "model": model, "optimizer_history": [{"num_updates": 0}]}
         if with_optimizer:
-            state["last_optimizer_state"] = flat_adam_state(model, [key for key, _ in shapes], rank)
+            state["last_optimizer_state"] = flat_adam_state(model, [key for key, _ in shapes], rank, dims)
         model["decoder.output_projection.weight"] = model["decoder.embed_tokens.weight"]
         torch.save(state, part_path(path, rank))
         del model, state

@@ -2,8 +2,14 @@
 
 In memory; :mod:`fairseq_megatron.checkpoint.resharding` streams files.
 
-The layout is that of fairseq's ModelParallelTransformerDecoder (and of
-this package's modules):
+How a tensor is split is what its parameter says of itself
+(:mod:`fairseq_megatron.modules.parameter_attributes`: ``tensor_model_parallel``
+and ``partition_dim``, set by the layer that creates it). For a model in
+memory :func:`partition_dims_of_model` reads the attributes; for files on
+disk, :func:`partition_dims` builds the model their config describes on the
+``meta`` device (no weights drawn or allocated) and reads them there. For
+the model-parallel transformer LM this gives the layout of fairseq's
+ModelParallelTransformerDecoder:
 
 ======================================  ==================  =====================
 key (under ``decoder.``)                kind                split along
@@ -22,30 +28,99 @@ An optimizer state tensor shaped like its parameter (Adam's moments) is
 split like the parameter (:func:`optimizer_state_per_parameter`).
 """
 
-import re
+import argparse
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.nn as nn
 
 from fairseq_megatron.errors import UsageError
+from fairseq_megatron.modules.parameter_attributes import partition_dim
 
 
 class CheckpointError(UsageError):
     """A checkpoint (or a set of part files) that cannot be read or resharded as asked."""
 
 
-_VOCAB = re.compile(r"(^|\.)(embed_tokens|output_projection)\.weight$")
-_COLUMN = re.compile(r"(^|\.)(self_attn\.[qkv]_proj|fc1)\.(weight|bias)$")
-_ROW = re.compile(r"(^|\.)(self_attn\.out_proj|fc2)\.weight$")
+# Model state-dict entries that are buffers, not parameters: the decoder's
+# format ``version`` and the sinusoidal positions' ``_float_tensor``.
+BUFFER_NAMES = ("version", "_float_tensor")
+
+PartitionDims = Dict[str, Optional[int]]
+"""``{state-dict key: the dimension model parts split it along, or None (replicated)}``."""
 
 
-def partition_dim(key: str) -> Optional[int]:
-    """The dimension along which model parts split tensor ``key``; None if replicated."""
-    if _VOCAB.search(key) or _COLUMN.search(key):
-        return 0
-    if _ROW.search(key):
-        return 1
-    return None
+def partition_dims_of_model(model: nn.Module) -> PartitionDims:
+    """The split of every entry of ``model.state_dict()``, read from its
+    parameters' attributes (buffers are replicated).
+
+    Raises:
+        ValueError: a parameter that does not say how it is split.
+    """
+    return {key: partition_dim(value) if isinstance(value, nn.Parameter) else None
+            for key, value in model.state_dict(keep_vars=True).items()}
+
+
+def _arguments(config) -> argparse.Namespace:
+    """A checkpoint's model config (argparse Namespace, dict or omegaconf) as a new Namespace."""
+    if isinstance(config, argparse.Namespace):
+        return argparse.Namespace(**vars(config))
+    if not isinstance(config, dict):
+        from omegaconf import OmegaConf
+
+        config = OmegaConf.to_container(config, resolve=True)
+    return argparse.Namespace(**config)
+
+
+def partition_dims(config, padded_vocab_size: int) -> PartitionDims:
+    """The split of every state-dict key of the model that checkpoint config
+    ``config`` describes (a ``model_parallel_transformer_lm`` with
+    ``padded_vocab_size`` vocabulary rows), read from the attributes of that
+    model built as one part on the ``meta`` device: its sharded weights are
+    neither drawn nor allocated.
+
+    Raises:
+        UsageError: the config describes a model this package cannot build.
+    """
+    from fairseq.data import Dictionary
+
+    from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
+    from fairseq_megatron.modules import sharding
+    from fairseq_megatron.parallel.parallel_state import RankGroup
+
+    args = _arguments(config)
+    args.model_parallel_size, args.pipeline_model_parallel_size = 1, 1
+    args.padded_vocab_size, args.dictionary_size = padded_vocab_size, None
+
+    class _Task:  # what build_model reads of a task
+        source_dictionary = target_dictionary = Dictionary()
+
+    while len(_Task.source_dictionary) < padded_vocab_size:
+        _Task.source_dictionary.add_symbol(f"madeupword{len(_Task.source_dictionary):06d}")
+    generator = torch.get_rng_state()  # fairseq's learned positions draw at construction
+    try:
+        with sharding.initialisation_deferred():
+            model = ModelParallelTransformerLanguageModel._build(args, _Task(), RankGroup())
+    finally:
+        torch.set_rng_state(generator)
+    return partition_dims_of_model(model)
+
+
+def key_partition_dim(dims: PartitionDims, key: str) -> Optional[int]:
+    """``dims[key]``; None (replicated) for the buffers of :data:`BUFFER_NAMES`
+    that older checkpoints hold and the model no longer keeps in its state
+    dict (the sinusoidal positions' ``_float_tensor``).
+
+    Raises:
+        CheckpointError: ``key`` is not a tensor of the model (a checkpoint
+            of another model, or a key this package does not know).
+    """
+    if key in dims:
+        return dims[key]
+    if key.rsplit(".", 1)[-1] in BUFFER_NAMES:
+        return None
+    raise CheckpointError(f"the checkpoint holds {key}, which the model its config describes has not: "
+                          f"not a checkpoint of this model")
 
 
 def tied_keys(state: Dict[str, torch.Tensor]) -> Dict[str, str]:
@@ -69,18 +144,21 @@ def _retie(parts: List[Dict[str, torch.Tensor]], tied: Dict[str, str]) -> None:
             part[key] = part[target]
 
 
-def split_model_state(state: Dict[str, torch.Tensor], num_parts: int) -> List[Dict[str, torch.Tensor]]:
-    """Split a size-1 state dict into ``num_parts`` model parts .
+def split_model_state(state: Dict[str, torch.Tensor], num_parts: int,
+                      dims: PartitionDims) -> List[Dict[str, torch.Tensor]]:
+    """Split a size-1 state dict into ``num_parts`` model parts, each key
+    along ``dims[key]`` (:func:`partition_dims`).
 
     Raises:
         ValueError: a partitioned dimension is not divisible by ``num_parts``.
+        CheckpointError: a key ``dims`` does not know.
     """
     parts = [dict() for _ in range(num_parts)]
     tied = tied_keys(state)
     for key, tensor in state.items():
         if key in tied:
             continue
-        dim = partition_dim(key)
+        dim = key_partition_dim(dims, key)
         if dim is None:
             for part in parts:
                 part[key] = tensor
@@ -121,9 +199,6 @@ def slice_for_part(tensors: List[torch.Tensor], dim: int, part: int, num_parts: 
 
 # ------------------------------------------------------------------ optimizer state
 
-# Model state-dict entries that are buffers, not parameters: the decoder's
-# format ``version`` and the sinusoidal positions' ``_float_tensor``.
-BUFFER_NAMES = ("version", "_float_tensor")
 
 
 def is_per_element(value) -> bool:

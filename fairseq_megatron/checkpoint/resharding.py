@@ -22,7 +22,9 @@ Safety: inputs are never overwritten; every output is written to
 written: a failure (a full disk is one line with the bytes to write and the
 bytes free) leaves no output and no temporary file.
 
-The split rules are in :mod:`fairseq_megatron.checkpoint.layout`.
+How each tensor is split is read from the parameters of the model the
+checkpoint's config describes, built on the ``meta`` device
+(:func:`fairseq_megatron.checkpoint.layout.partition_dims`).
 """
 
 import copy
@@ -38,9 +40,10 @@ from fairseq_megatron.checkpoint.layout import (
     BUFFER_NAMES,
     CheckpointError,
     is_per_element,
+    key_partition_dim,
     optimizer_state_per_parameter,
     parameter_keys,
-    partition_dim,
+    partition_dims,
     slice_for_part,
     tied_keys,
 )
@@ -309,6 +312,8 @@ class PartFiles:
         self.aliases = tied_keys(first["model"])
         check_part_count(path, self.files, first)
         self.padded_vocab_size = first["model"]["decoder.embed_tokens.weight"].size(0) * len(self.files)
+        # how each tensor is split: what the parameters of the model the config describes say
+        self.dims = partition_dims(model_config(first), self.padded_vocab_size)
 
     def __len__(self):
         return len(self.files)
@@ -488,7 +493,7 @@ def model_part_groups(parts: PartFiles, rank: int, num_parts: int, check_replica
             if key in aliases:
                 continue
             tensors = [m[key] for m in state_dicts]
-            dim = partition_dim(key)
+            dim = key_partition_dim(parts.dims, key)
             if dim is None:
                 if check_replicas and not _is_buffer(key):
                     _check_replicas(f"{what} {key}", tensors)
@@ -548,7 +553,7 @@ def _optimizer_part(parts: PartFiles, rank: int, num_parts: int, check_replicas:
     offsets, total = {}, 0  # flat layout: where each parameter starts in the output part
     for key in keys:
         offsets[key] = total
-        total += _part_numel(first["model"][key], key, len(parts), num_parts)
+        total += _part_numel(first["model"][key], key_partition_dim(parts.dims, key), len(parts), num_parts)
     del first
     per_key: Dict[str, dict] = {}  # per parameter: its state (flat layout: the numbers only)
     flat_out: Dict[str, torch.Tensor] = {}  # flat layout: one tensor per name, allocated at first use
@@ -557,7 +562,7 @@ def _optimizer_part(parts: PartFiles, rank: int, num_parts: int, check_replicas:
         views = [optimizer_state_per_parameter(state["last_optimizer_state"], state["model"], keys, f)[0]
                  for f, state in zip(parts.files, checkpoints)]
         for key in group:
-            dim = partition_dim(key)
+            dim = key_partition_dim(parts.dims, key)
             entries = {}
             for name, value in views[0][key].items():
                 if not is_per_element(value):
@@ -591,9 +596,9 @@ def _optimizer_part(parts: PartFiles, rank: int, num_parts: int, check_replicas:
     return out
 
 
-def _part_numel(tensor: torch.Tensor, key: str, num_inputs: int, num_outputs: int) -> int:
-    """Elements of ``key`` in one of ``num_outputs`` parts, given one of ``num_inputs`` parts."""
-    dim = partition_dim(key)
+def _part_numel(tensor: torch.Tensor, dim: Optional[int], num_inputs: int, num_outputs: int) -> int:
+    """Elements in one of ``num_outputs`` parts of a tensor split along
+    ``dim`` (None: replicated), given its ``tensor`` in one of ``num_inputs``."""
     return tensor.numel() if dim is None else tensor.numel() * num_inputs // num_outputs
 
 

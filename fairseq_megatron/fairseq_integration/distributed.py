@@ -4,7 +4,7 @@ processes, and gathering on CPU.
 
 - :func:`provide_mpu`: fairseq imports ``fairseq.model_parallel.megatron.mpu``
   when ``--model-parallel-size`` > 1, from a git submodule that no pip
-  release ships; :mod:`fairseq_megatron.parallel.mpu` is registered under
+  release ships; :mod:`fairseq_megatron.fairseq_integration.mpu` is registered under
   that name.
 - :func:`call_main` (every fairseq tool starts through it):
 
@@ -63,11 +63,11 @@ _TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 
 
 def provide_mpu() -> None:
-    """Register :mod:`fairseq_megatron.parallel.mpu` as
+    """Register :mod:`fairseq_megatron.fairseq_integration.mpu` as
     ``fairseq.model_parallel.megatron.mpu`` (the package attribute included)."""
     import fairseq.model_parallel
 
-    from fairseq_megatron.parallel import mpu
+    from fairseq_megatron.fairseq_integration import mpu
 
     package = types.ModuleType("fairseq.model_parallel.megatron")
     package.__path__ = []  # a namespace with one submodule, mpu
@@ -139,6 +139,17 @@ def launch_sizes(cfg):
             int(safe_getattr(model, "context_parallel_size", 1) or 1))
 
 
+def runs_our_models(cfg) -> bool:
+    """Whether this run is ours: a fairseq tool given ``--user-dir`` of this
+    package, or a config whose model is one of our architectures
+    (fairseq-megatron-hydra-train, which needs no user dir)."""
+    from fairseq_megatron.models.model_parallel_transformer_lm import is_model_parallel_arch
+
+    model = getattr(cfg, "model", None)
+    return plugin_on_command_line() or is_model_parallel_arch(
+        safe_getattr(model, "_name", None) or safe_getattr(model, "arch", None))
+
+
 def main_in_its_layout(main, cfg, **kwargs):
     """``main(cfg, **kwargs)`` once this rank's parallel layout is built from
     ``cfg`` (:func:`~fairseq_megatron.parallel.parallel_state.ensure_model_parallel`:
@@ -204,15 +215,15 @@ def call_main(cfg, main, **kwargs):
     inferred (without GPUs, by :func:`_infer_launch_without_gpus`), then the
     processes spawned with the plugin loaded, or ``main`` run here.
 
-    With ``--user-dir`` of this package, every process builds its parallel
-    layout from ``cfg`` once, before ``main`` runs (:func:`main_in_its_layout`),
-    and the sizes are checked here first.
+    In a run of our models (:func:`runs_our_models`), every process builds
+    its parallel layout from ``cfg`` once, before ``main`` runs
+    (:func:`main_in_its_layout`), and the sizes are checked here first.
 
     Raises:
-        UsageError: with ``--user-dir`` of this package, a parallel size
-            below 1; SLURM nodes that do not divide the world size.
+        UsageError: in a run of our models, a parallel size below 1; SLURM
+            nodes that do not divide the world size.
     """
-    ours = plugin_on_command_line()
+    ours = runs_our_models(cfg)
     if ours:
         parallel_state.expect_layout(*launch_sizes(cfg))
         main = functools.partial(main_in_its_layout, main)

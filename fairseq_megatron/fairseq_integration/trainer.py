@@ -23,7 +23,7 @@ What it does differently from fairseq's trainer, and why:
   later instead.
 - Per-step logging reads nothing from the device (fairseq's
   ``_reduce_and_log_stats`` waited twice per step), and whether a batch
-  holds padding is decided on its CPU copy (:mod:`fairseq_megatron.training.padding`).
+  holds padding is decided on its CPU copy (:mod:`fairseq_megatron.modules.padding`).
 - Checkpoints: rank K writes ``-model_part-K`` files, its crash file too
   (fairseq wrote one ``crash.pt`` from every rank); the RNG tracker's streams
   are saved and restored (as fairseq's MegatronTrainer); a checkpoint saved at
@@ -71,7 +71,7 @@ from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.parallel.grad_norm import model_parallel_norm_aggregator
 from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
 from fairseq_megatron.training.fused_adam import FairseqFusedAdam, fused_adam_applies
-from fairseq_megatron.training.padding import mark_padding
+from fairseq_megatron.modules.padding import mark_padding
 from fairseq_megatron.training.parallelize import parallelize
 from fairseq_megatron.training.pipeline_schedule import PipelineSchedule
 

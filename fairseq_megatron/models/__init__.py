@@ -1,4 +1,2 @@
-from fairseq_megatron.models.model_parallel_transformer_lm import (  # noqa: F401
-    ModelParallelTransformerDecoder,
-    ModelParallelTransformerLanguageModel,
-)
+from fairseq_megatron.models.model_parallel_transformer_decoder import ModelParallelTransformerDecoder  # noqa: F401
+from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel  # noqa: F401

@@ -29,7 +29,7 @@ from fairseq_megatron.modules import sharding
 from fairseq_megatron.modules.forward_wrappers import rewrap
 from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
 from fairseq_megatron.parallel import parallel_state
-from fairseq_megatron.training.padding import has_padding
+from fairseq_megatron.modules.padding import has_padding
 
 
 class ModelParallelTransformerDecoder(KeepsParameterAttributes, TransformerDecoder):
@@ -58,6 +58,16 @@ class ModelParallelTransformerDecoder(KeepsParameterAttributes, TransformerDecod
         if self.share_input_output_embed:
             self.embed_tokens.set_parameter_attributes("weight", shared_embedding=True)
         self.tag_parameters()  # fairseq's layer norms and positions: replicated
+
+    def tag_parameters(self) -> None:
+        """Tie the output projection to the embedding again where torch made a
+        new parameter for one of them (``to_empty``, ``load_state_dict(assign=True)``
+        make one per module), then tag
+        (:meth:`~fairseq_megatron.modules.parameter_attributes.KeepsParameterAttributes.tag_parameters`)."""
+        tied = self.share_input_output_embed and self.embed_tokens is not None and self.output_projection is not None
+        if tied and self.output_projection.weight is not self.embed_tokens.weight:
+            self.output_projection.weight = self.embed_tokens.weight
+        super().tag_parameters()
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         if not isinstance(cfg, TransformerConfig):

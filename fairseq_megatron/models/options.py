@@ -227,6 +227,17 @@ def check_options(args, model_parallel_size: int) -> None:
             "the gradients being accumulated; use --update-freq 1 (a larger --batch-size instead)"
         )
     check_pipeline_options(args)
+    check_implemented(args)
+
+
+def check_implemented(args) -> None:
+    """Refuse the transformer_lm options these layers do not implement (see
+    :func:`check_options`).
+
+    Raises:
+        UsageError: naming the options given.
+        NotImplementedError: adaptive input/softmax or character embeddings.
+    """
     embed_dim = args.decoder_embed_dim
     given = [f"--{flag.replace('_', '-')}" for flag in ("scale_attn", "scale_fc", "scale_heads", "scale_resids")
              if safe_getattr(args, flag, False)]

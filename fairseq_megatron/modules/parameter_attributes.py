@@ -91,9 +91,6 @@ class KeepsParameterAttributes(SharesProcessGroupsWhenCopied):
         """Record ``attributes`` (of :data:`ATTRIBUTES`) of parameter ``name`` and set them."""
         recorded: Dict[str, Dict[str, Any]] = vars(self).setdefault("_parameter_attributes", {})
         recorded.setdefault(name, {}).update(attributes)
-        if not vars(self).get("_retags_after_load"):
-            self.register_load_state_dict_post_hook(_tag_after_load)
-            self._retags_after_load = True
         self.tag_parameters()
 
     def set_tensor_parallel_split(self, name: str, dim: Optional[int]) -> None:
@@ -105,6 +102,9 @@ class KeepsParameterAttributes(SharesProcessGroupsWhenCopied):
         """Set the recorded attributes again, and mark the untagged
         parameters of descendants that are not themselves tagging modules
         replicated."""
+        if not vars(self).get("_retags_after_load"):
+            self.register_load_state_dict_post_hook(_tag_after_load)
+            self._retags_after_load = True
         for name, attributes in vars(self).get("_parameter_attributes", {}).items():
             param = self._parameters.get(name)
             if param is not None:

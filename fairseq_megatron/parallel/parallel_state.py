@@ -31,7 +31,7 @@ RANK or MASTER_ADDR needed. ``None`` never means the whole world here.
 
 The getters keep Megatron-LM's and fairscale's names
 (``get_tensor_model_parallel_group`` ...), which fairseq imports through
-:mod:`fairseq_megatron.parallel.mpu`.
+:mod:`fairseq_megatron.fairseq_integration.mpu`.
 """
 
 import copy

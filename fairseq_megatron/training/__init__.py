@@ -1,2 +1,4 @@
-"""Training aids: the fused AdamW, activation checkpointing and regional
-compilation, padding known on the host."""
+"""What training applies to a built model from outside (``parallelize``: the
+pipeline split, compilation and CUDA graphs, activation checkpointing and
+offload, bf16 autocast, one concern per module), the pipeline schedule and
+the fused AdamW."""

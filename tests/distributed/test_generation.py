@@ -13,6 +13,7 @@ from fairseq import search
 from fairseq.sequence_generator import SequenceGenerator
 
 from fairseq_megatron.checkpoint.layout import split_model_state
+from tests.support.partition import expected_partition_dims
 from fairseq_megatron.parallel import parallel_state
 from tests.helpers import build_model, init_model_parallel, make_batch, run_distributed
 from tests.support.generation import MAX_NEW, TOL, incremental_logits
@@ -40,7 +41,8 @@ def _worker(rank, world_size, reference_state):
     init_model_parallel(world_size)
     model, dictionary = build_model(world_size)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    model.load_state_dict(split_model_state(reference_state, world_size)[tp_rank], strict=True)
+    parts = split_model_state(reference_state, world_size, expected_partition_dims(reference_state))
+    model.load_state_dict(parts[tp_rank], strict=True)
     model.eval()
     tokens, _ = make_batch(dictionary, seed=8, pad_tail=0)
     with torch.no_grad():

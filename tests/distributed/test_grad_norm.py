@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from fairseq.optim.fairseq_optimizer import FairseqOptimizer
 from fairseq.optim.fp16_optimizer import FP16Optimizer
 
-from fairseq_megatron.checkpoint.layout import partition_dim, split_model_state
+from fairseq_megatron.checkpoint.layout import split_model_state
+from tests.support.partition import expected_partition_dim, expected_partition_dims
 from fairseq_megatron.modules import vocab_parallel_cross_entropy
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.parallel.grad_norm import model_parallel_norm_aggregator
@@ -48,7 +49,8 @@ def _norm_worker(rank, world_size, model_parallel_size, reference_path):
     group = parallel_state.get_tensor_model_parallel_group()
     model, dictionary = build_model(model_parallel_size)
     state = torch.load(reference_path)
-    model.load_state_dict(split_model_state(state, model_parallel_size)[parallel_state.rank(group)])
+    parts = split_model_state(state, model_parallel_size, expected_partition_dims(state))
+    model.load_state_dict(parts[parallel_state.rank(group)])
     tokens, target = make_batch(dictionary, seed=10 + parallel_state.get_data_parallel_rank())
     shard_logits, _ = model(tokens, gather_logits=False)
     vocab_parallel_cross_entropy(shard_logits, target, ignore_index=dictionary.pad(), group=group).sum().backward()
@@ -105,7 +107,7 @@ def _fp16_optimizer_worker(rank, world_size):
     replicated_sq = torch.zeros((), dtype=torch.float64)
     for name, p in model.named_parameters():
         sq = p.grad.double().square().sum()
-        if partition_dim(name) is None:
+        if expected_partition_dim(name) is None:
             replicated_sq += sq
         else:
             sharded_sq += sq

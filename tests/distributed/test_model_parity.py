@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fairseq_megatron.checkpoint.layout import partition_dim, split_model_state
+from fairseq_megatron.checkpoint.layout import split_model_state
+from tests.support.partition import expected_partition_dim, expected_partition_dims
 from fairseq_megatron.modules import vocab_parallel_cross_entropy
 from fairseq_megatron.parallel import parallel_state
 from tests.helpers import SEQ_LEN, build_model, init_model_parallel, make_batch, run_distributed
@@ -57,7 +58,8 @@ def _parallel_worker(rank, world_size, model_parallel_size, reference_path, sequ
     model, dictionary = build_model(model_parallel_size, sequence_parallel=sequence_parallel)
     # Same seed, master weights built once and sliced: the fresh size-N model
     # *is* the size-1 model, shard for shard.
-    expected_part = split_model_state(reference_state, model_parallel_size)[tp_rank]
+    dims = expected_partition_dims(reference_state)
+    expected_part = split_model_state(reference_state, model_parallel_size, dims)[tp_rank]
     init_matches = all(torch.equal(v, expected_part[k]) for k, v in model.state_dict().items())
     model.load_state_dict(expected_part, strict=True)
     # Sequence parallelism runs in training passes only; dropout is 0 here, so
@@ -75,7 +77,7 @@ def _parallel_worker(rank, world_size, model_parallel_size, reference_path, sequ
 
     grads = {}
     for name, p in model.named_parameters():
-        dim = partition_dim(name)
+        dim = expected_partition_dim(name)
         grads[name] = p.grad if dim is None else _gather(p.grad, dim, group)
     return {
         "tp": parallel_state.world_size(group),

@@ -19,6 +19,7 @@ from fairseq.data import Dictionary
 from fairseq_megatron import USER_DIR
 from fairseq_megatron.checkpoint.export import export_to_fairseq
 from fairseq_megatron.checkpoint.layout import split_model_state
+from tests.support.partition import expected_partition_dims
 from fairseq_megatron.cli import reshard_checkpoint
 from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
 from tests.e2e.common import HUB_SCRIPT, eval_args, eval_loss, evaluated_tokens, hypotheses, train_args
@@ -53,7 +54,7 @@ def _release_2020(data, folder):
         decoder_normalize_before=True, decoder_learned_pos=False, no_token_positional_embeddings=False,
         decoder_input_dim=64, decoder_output_dim=64, **DIMS)
     os.makedirs(folder)
-    for rank, part in enumerate(split_model_state(full, 8)):
+    for rank, part in enumerate(split_model_state(full, 8, expected_partition_dims(full))):
         part = {k: v.half() if v.is_floating_point() and not k.endswith(".version") else v for k, v in part.items()}
         part["decoder.embed_positions._float_tensor"] = torch.tensor([(0.0, float("nan"), -3.5e38)[rank % 3]])
         state = {"args": args, "model": part, "optimizer_history": [

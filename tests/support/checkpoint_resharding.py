@@ -7,6 +7,7 @@ from argparse import Namespace
 import torch
 
 from fairseq_megatron.checkpoint.layout import split_model_state
+from tests.support.partition import expected_partition_dims
 from fairseq_megatron.checkpoint.part_files import output_paths
 from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
 from tests.helpers import LMTask, make_dictionary, model_args
@@ -30,7 +31,8 @@ def optimizer_states(names, moments, num_parts, layout):
     optimizer state dict, one entry per parameter in ``model.parameters()``
     order) or ``"flat"`` (fairseq's FP16Optimizer: one fp32 tensor of all
     parameters, and the loss scale)."""
-    split = [split_model_state({n: moments[n][which] for n in names}, num_parts) for which in (0, 1)]
+    dims = expected_partition_dims(names)
+    split = [split_model_state({n: moments[n][which] for n in names}, num_parts, dims) for which in (0, 1)]
     states = []
     for rank in range(num_parts):
         avg, avg_sq = split[0][rank], split[1][rank]
@@ -78,7 +80,7 @@ def save_checkpoint(path, num_parts, style="cfg", seed=0, legacy_format=False, o
             for p in ema_model.parameters():
                 p.mul_(0.5).add_(0.25)
         ema_full = ema_model.state_dict()
-        ema_parts = split_model_state(ema_full, num_parts)
+        ema_parts = split_model_state(ema_full, num_parts, expected_partition_dims(ema_full))
     names = [n for n, _ in model.named_parameters()]  # the order fairseq's trainer gives the optimizer
     generator = torch.Generator().manual_seed(seed + 100)
     moments = {n: (torch.randn(p.shape, generator=generator), torch.rand(p.shape, generator=generator))
@@ -87,7 +89,8 @@ def save_checkpoint(path, num_parts, style="cfg", seed=0, legacy_format=False, o
         optimizer_state = optimizer_states(names, moments, num_parts, optimizer)
     else:
         optimizer_state = [{"state": {0: torch.zeros(3)}} if optimizer else None] * num_parts
-    for rank, (out, part) in enumerate(zip(output_paths(path, num_parts), split_model_state(full, num_parts))):
+    parts = split_model_state(full, num_parts, expected_partition_dims(full))
+    for rank, (out, part) in enumerate(zip(output_paths(path, num_parts), parts)):
         state = {
             "model": part,
             "optimizer_history": [{"num_updates": 5}],

@@ -13,7 +13,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from fairseq_megatron.checkpoint.layout import partition_dim
+from tests.support.partition import expected_partition_dim
 from fairseq_megatron.parallel import parallel_state
 
 ROWS, LENGTH, VOCAB = 4, 16, 64  # --batch-size, --tokens-per-sample, dummy_lm's dictionary (60 + 4 specials)
@@ -138,7 +138,7 @@ def whole_model(results: list, key: str) -> dict:
     for stage in sorted({r["coordinates"][2] for r in copy0}):
         parts = sorted((r for r in copy0 if r["coordinates"][2] == stage), key=lambda r: r["coordinates"][0])
         for name in parts[0][key]:
-            dim = partition_dim(name)
+            dim = expected_partition_dim(name)
             tensors = [p[key][name] for p in parts]
             merged[name] = tensors[0] if dim is None else torch.cat(tensors, dim)
     return merged

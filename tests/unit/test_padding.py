@@ -1,12 +1,12 @@
 """Whether a batch holds padding is answered on the host by our trainer
-(fairseq_megatron.training.padding), and the decoder takes that answer."""
+(fairseq_megatron.modules.padding), and the decoder takes that answer."""
 
 import types
 
 import torch
 
 from fairseq_megatron.fairseq_integration.trainer import MegatronTrainer
-from fairseq_megatron.training.padding import has_padding, mark_padding
+from fairseq_megatron.modules.padding import has_padding, mark_padding
 from tests.helpers import build_model, make_batch
 
 PAD = 1

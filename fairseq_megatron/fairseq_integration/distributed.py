@@ -154,7 +154,13 @@ def main_in_its_layout(main, cfg, **kwargs):
     """``main(cfg, **kwargs)`` once this rank's parallel layout is built from
     ``cfg`` (:func:`~fairseq_megatron.parallel.parallel_state.ensure_model_parallel`:
     fairseq's ``distributed_init`` built it already at model-parallel size
-    > 1; a single process gets the single-process layout)."""
+    > 1; a single process gets the single-process layout). Sharded data
+    parallelism (``--ddp-backend fully_sharded``) in one process without a
+    launcher gets a world of its own one rank: FSDP2 shards over a process
+    group, even of one."""
+    distributed = getattr(cfg, "distributed_training", None)
+    if getattr(distributed, "ddp_backend", None) == "fully_sharded" and not dist.is_initialized():
+        parallel_state.start_single_rank_world()
     parallel_state.ensure_model_parallel(*launch_sizes(cfg))
     return main(cfg, **kwargs)
 

@@ -7,8 +7,9 @@
 - ``main`` checks the launch before it writes anything (the parallel
   sizes were checked before it, where the layout is built): fairseq's
   ``main`` creates ``--save-dir`` (and writes a probe file into it) first,
-  and only building the model refused ``--ddp-backend fully_sharded``, so it
-  left an empty save dir behind; ``--bf16`` without torch_xla and ``--fp16`` on CPU failed with
+  and ``--ddp-backend fully_sharded`` with fairscale-only options failed
+  after building the model (:func:`~fairseq_megatron.models.options.check_fully_sharded`);
+  ``--bf16`` without torch_xla and ``--fp16`` on CPU failed with
   tracebacks after building it; a ``--save-dir`` with a file in its path
   was "Not a directory: '<save-dir>/dummy'". (The model's own option checks
   already run while fairseq parses the command line.) The refusals that
@@ -50,7 +51,7 @@ def main(cfg, **kwargs):
     from fairseq_megatron.errors import check_directory_can_be_made
     from fairseq_megatron.models.model_parallel_transformer_lm import is_model_parallel_arch
     from fairseq_megatron.models.options import (
-        check_data_parallel_backend,
+        check_fully_sharded,
         check_pipeline_data_parallel_backend,
         check_training_precision,
     )
@@ -68,9 +69,9 @@ def main(cfg, **kwargs):
         return run(cfg, **kwargs)
     check_directory_can_be_made(cfg.checkpoint.save_dir, f"--save-dir {cfg.checkpoint.save_dir}")
     layout = parallel_state.get_parallel_layout()  # built from cfg at launch, its sizes checked there
-    check_data_parallel_backend(cfg.distributed_training.ddp_backend, layout.tensor, cfg.common.cpu)
+    check_fully_sharded(cfg.distributed_training, cfg.common, cfg.ema, cfg.model)
     check_pipeline_data_parallel_backend(cfg.distributed_training.ddp_backend, layout.pipeline, layout.data)
-    check_training_precision(cfg.common)
+    check_training_precision(cfg.common, fully_sharded=cfg.distributed_training.ddp_backend == "fully_sharded")
     # fairseq's main makes --save-dir on the master rank only
     made = directories_missing(cfg.checkpoint.save_dir) if distributed_utils.is_master(
         cfg.distributed_training) else []
@@ -116,9 +117,23 @@ def remove_while_empty(directories: list) -> None:
             return
 
 
+def fsdp_wrap(module, *args, **kwargs):
+    """fairseq-train's ``fsdp_wrap`` (``fairseq/distributed/fully_sharded_data_parallel.py``)
+    of the model it builds under ``--ddp-backend fully_sharded``: our models
+    come back as they are, and ``MegatronTrainer`` shards them with torch's
+    FSDP2 (:mod:`fairseq_megatron.training.fully_sharded`); fairseq wrapped
+    them in fairscale's FSDP, which needs CUDA, flattens the parameters and
+    cannot hold tensor-parallel parts. Other models get fairseq's."""
+    if is_our_model(module):
+        return module
+    return original(_cli(), "fsdp_wrap")(module, *args, **kwargs)
+
+
 def install() -> None:
     why = "our models get MegatronTrainer at every model-parallel size, other models fairseq's classes"
     replace_in_cli_module(_MODULE, "Trainer", build_trainer, why)
     replace_in_cli_module(_MODULE, "MegatronTrainer", build_trainer, why)
     replace_in_cli_module(_MODULE, "main", main, "our launch checked before --save-dir is written")
     replace_in_cli_module(_MODULE, "train", train, "a finished run of ours trains and saves nothing")
+    replace_in_cli_module(_MODULE, "fsdp_wrap", fsdp_wrap,
+                          "our models are sharded by torch's FSDP2 (MegatronTrainer), not fairscale's FSDP")

@@ -61,6 +61,7 @@ import time
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from fairseq.logging import metrics
 from fairseq.trainer import Trainer
 
@@ -70,8 +71,10 @@ from fairseq_megatron.models.pipeline_stage import PipelineStageLayout
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.parallel.grad_norm import model_parallel_norm_aggregator
 from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
-from fairseq_megatron.training.fused_adam import FairseqFusedAdam, fused_adam_applies
 from fairseq_megatron.modules.padding import mark_padding
+from fairseq_megatron.training.fully_sharded import shard_model
+from fairseq_megatron.training.fused_adam import FairseqFusedAdam, fused_adam_applies
+from fairseq_megatron.training.memory import log_memory_report
 from fairseq_megatron.training.parallelize import parallelize
 from fairseq_megatron.training.pipeline_schedule import PipelineSchedule
 
@@ -204,8 +207,31 @@ class MegatronTrainer(Trainer):
             model.run_deferred_initialisation()
         # before fairseq's constructor, which reads the data-parallel size
         self.pipeline = _pipeline_schedule(cfg, task, model, stage) if stage.stages > 1 else None
-        super().__init__(cfg, task, model, criterion, quantizer)
+        self.fully_sharded = cfg.distributed_training.ddp_backend == "fully_sharded"
+        if self.fully_sharded:  # the stage's module is the root unit of a pipeline stage
+            shard_model(model, self.pipeline.stage_module if self.pipeline else model, cfg)
+        self._memory_reported = False
+        with self._fairseq_fsdp_branches():  # no .half() of the sharded fp32 parameters
+            super().__init__(cfg, task, model, criterion, quantizer)
         _stop_prefetch_threads_at_exit()
+
+    @property
+    def is_fsdp(self) -> bool:
+        """fairseq's branches for fully sharded data parallelism are written
+        for fairscale's FSDP (``local_metadata_dict``, ``gather_full_optim_state_dict``,
+        ``use_sharded_state``); this trainer follows two of them, within
+        :meth:`_fairseq_fsdp_branches` (fp32 parameters, not cast to half in
+        the constructor; fairseq's loss scaler without an fp32 copy for
+        ``--fp16``), and does the rest itself (:mod:`fairseq_megatron.training.fully_sharded`)."""
+        return vars(self).get("_in_fsdp_branches", False)
+
+    @contextlib.contextmanager
+    def _fairseq_fsdp_branches(self):
+        self._in_fsdp_branches = self.fully_sharded
+        try:
+            yield
+        finally:
+            self._in_fsdp_branches = False
 
     # ------------------------------------------------------------ groups
 
@@ -246,6 +272,8 @@ class MegatronTrainer(Trainer):
         device ids (fairseq passed the GPU id, which torch's DDP refuses for
         a CPU module)."""
         cfg = self.cfg.distributed_training
+        if self._wrapped_model is None and self.fully_sharded:
+            self._wrapped_model = self._model  # FSDP2 shards the model in place
         if (self._wrapped_model is None and self.use_distributed_wrapper and self.device.type == "cpu"
                 and cfg.ddp_backend in {"c10d", "pytorch_ddp"}):
             from fairseq.distributed import ModuleProxyWrapper
@@ -264,8 +292,11 @@ class MegatronTrainer(Trainer):
         """fairseq's optimizer; ``--optimizer adam`` on fp32 CUDA weights then
         runs :class:`~fairseq_megatron.training.fused_adam.FusedAdamW` inside
         fairseq's wrappers."""
-        super()._build_optimizer()
+        with self._fairseq_fsdp_branches():
+            super()._build_optimizer()
         outer = self._optimizer
+        if self.fully_sharded:
+            return  # fairseq's Adam on the DTensor shards
         if fused_adam_applies(outer, self.cfg):
             self._optimizer = FairseqFusedAdam(outer)
             self._lr_scheduler.optimizer = self._optimizer
@@ -291,11 +322,18 @@ class MegatronTrainer(Trainer):
 
     def train_step(self, samples, raise_oom=False):
         """fairseq's; with pipeline stages the update's samples go to the
-        schedule as one batch of micro-batches (:mod:`fairseq_megatron.training.pipeline_schedule`)."""
+        schedule as one batch of micro-batches (:mod:`fairseq_megatron.training.pipeline_schedule`).
+        After the first update each rank logs what it holds
+        (:func:`~fairseq_megatron.training.memory.memory_report`)."""
         if self.pipeline is None:
-            return super().train_step(samples, raise_oom)
-        with self.pipeline.steps_of(self.task):
-            return super().train_step([self.pipeline.micro_batches_of(samples)], raise_oom)
+            result = super().train_step(samples, raise_oom)
+        else:
+            with self.pipeline.steps_of(self.task):
+                result = super().train_step([self.pipeline.micro_batches_of(samples)], raise_oom)
+        if not self._memory_reported:
+            self._memory_reported = True
+            log_memory_report(dist.get_rank() if dist.is_initialized() else 0, self.get_model(), self.optimizer)
+        return result
 
     def valid_step(self, sample, raise_oom=False):
         """fairseq's; with pipeline stages through the schedule's forward-only path."""

@@ -19,10 +19,8 @@ from fairseq.utils import safe_getattr
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.models.model_parallel_transformer_decoder import ModelParallelTransformerDecoder
 from fairseq_megatron.models.options import (
-    check_data_parallel_backend,
     check_dictionary_size,
     check_options,
-    data_parallel_backend_being_built,
     pad_dictionary,
 )
 from fairseq_megatron.models.registry import take_over_model, take_over_model_architecture
@@ -44,7 +42,7 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
     Raises (from ``build_model``):
         UsageError (a ValueError): the checkpoint's
             ``model_parallel_size`` differs from the running group size;
-            FSDP at model-parallel size > 1 or on CPU; the dictionary is not
+            the dictionary is not
             the one the checkpoint was trained with; and what
             :func:`check_options` refuses (heads or FFN size not divisible by
             the model-parallel size, conflicting precision flags,
@@ -153,7 +151,6 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
                 f"model-parallel group has {size} rank(s); pass --model-parallel-size "
                 f"{size} with a checkpoint saved at that size (or reshard the checkpoint)"
             )
-        check_data_parallel_backend(data_parallel_backend_being_built(), size, cpu=safe_getattr(args, "cpu", False))
         check_options(args, size)
         if args.decoder_layers_to_keep:
             args.decoder_layers = len(args.decoder_layers_to_keep.split(","))

@@ -102,31 +102,35 @@ def pad_dictionary(dictionary, model_parallel_size: int, padded_vocab_size: Opti
     return len(dictionary)
 
 
-def check_data_parallel_backend(ddp_backend: str, model_parallel_size: int, cpu: bool) -> None:
-    """Refuse fairseq-train's ``--ddp-backend fully_sharded`` for this model.
+def check_fully_sharded(distributed, common, ema, model) -> None:
+    """Refuse what ``--ddp-backend fully_sharded`` (torch's FSDP2,
+    :mod:`fairseq_megatron.training.fully_sharded`) does not do for our
+    models; nothing for other backends. ``distributed``, ``common``,
+    ``ema``: fairseq's ``cfg.distributed_training``, ``cfg.common``,
+    ``cfg.ema``; ``model``: the model config.
 
-    fairseq-train then builds the model inside fairscale's ``enable_wrap``
-    (``fairseq/distributed/fully_sharded_data_parallel.py``) to wrap it in
-    FSDP, which flattens the parameters and shards them over the
-    data-parallel ranks. At model-parallel size > 1 the gradient norm
-    (:mod:`fairseq_megatron.parallel.grad_norm`: each parameter's rule found by name,
-    summed over the model-parallel group only) and the model part files
-    expect every rank to hold its whole part, so that is refused; on CPU
-    (``cpu``, or no CUDA) fairscale's FSDP fails with "Torch not compiled
-    with CUDA enabled". Other backends pass.
+    fairscale's options have no FSDP2 counterpart (``--cpu-offload``,
+    ``--use-sharded-state``: the checkpoints are always this package's part
+    files plus one optimizer shard per data-parallel rank); ``--zero-sharding
+    os`` shards the optimizer state a second time; ``--cuda-graphs`` would
+    replay FSDP2's collectives; fairseq's EMA and ``--amp`` copy or scale
+    the parameters whole.
 
     Raises:
-        UsageError: either case.
+        UsageError: the first of these.
     """
-    if ddp_backend != "fully_sharded":
+    if distributed.ddp_backend != "fully_sharded":
         return
-    others = "use --ddp-backend pytorch_ddp (the default), no_c10d or legacy_ddp"
-    if model_parallel_size > 1:
-        raise UsageError(f"--ddp-backend fully_sharded does not work with --model-parallel-size "
-                         f"{model_parallel_size} (FSDP would shard the model parts over the data-parallel "
-                         f"ranks); {others}")
-    if cpu or not torch.cuda.is_available():
-        raise UsageError(f"--ddp-backend fully_sharded needs CUDA GPUs (fairscale's FSDP); on CPU {others}")
+    refused = [f"--{flag.replace('_', '-')}" for flag in ("cpu_offload", "use_sharded_state")
+               if getattr(distributed, flag, False)]
+    if distributed.zero_sharding != "none":
+        refused.append(f"--zero-sharding {distributed.zero_sharding}")
+    refused += [flag for flag, given in (("--cuda-graphs", safe_getattr(model, "cuda_graphs", False)),
+                                         ("--store-ema", ema.store_ema), ("--amp", common.amp)) if given]
+    if refused:
+        raise UsageError(f"{refused[0]} does not work with --ddp-backend fully_sharded (torch's FSDP2 shards "
+                         f"parameters, gradients and optimizer state over the data-parallel ranks); drop it, "
+                         f"or use --ddp-backend pytorch_ddp")
 
 
 def check_pipeline_data_parallel_backend(ddp_backend: str, stages: int, data_parallel_size: int) -> None:
@@ -135,19 +139,21 @@ def check_pipeline_data_parallel_backend(ddp_backend: str, stages: int, data_par
     torch's pipeline schedule calls the stage's module itself, not the
     wrapper, so torch's DDP (``pytorch_ddp``, ``c10d``) would never reduce
     the gradients; fairseq's ``legacy_ddp`` (``no_c10d``) all-reduces them
-    once after the backward pass, when the trainer asks, and works.
+    once after the backward pass, when the trainer asks, and works, and so
+    does ``fully_sharded`` (the stage's module is the root FSDP unit, which
+    torch's schedule knows).
 
     Raises:
         UsageError: pipeline stages, more than one model copy, and a
             backend other than ``legacy_ddp``/``no_c10d``.
     """
-    if stages > 1 and data_parallel_size > 1 and ddp_backend not in ("legacy_ddp", "no_c10d"):
+    if stages > 1 and data_parallel_size > 1 and ddp_backend not in ("legacy_ddp", "no_c10d", "fully_sharded"):
         raise UsageError(f"--ddp-backend {ddp_backend} with --pipeline-model-parallel-size {stages} and "
                          f"{data_parallel_size} model copies: the pipeline schedule runs each stage outside "
-                         f"torch's DDP; use --ddp-backend legacy_ddp")
+                         f"torch's DDP; use --ddp-backend legacy_ddp or fully_sharded")
 
 
-def check_training_precision(common) -> None:
+def check_training_precision(common, fully_sharded: bool = False) -> None:
     """Refuse fairseq-train precision flags that fail later on this machine.
 
     ``common``: fairseq's ``cfg.common``. ``--bf16`` means TPU in fairseq
@@ -156,7 +162,9 @@ def check_training_precision(common) -> None:
     'xla_device'". ``--fp16`` on CPU (``--cpu``, or no CUDA) failed in
     ``fairseq/optim/fp16_optimizer.py``, whose fp32 master weights go to the
     current CUDA device: "Torch not compiled with CUDA enabled".
-    ``--memory-efficient-fp16`` and ``--amp`` run there and pass.
+    ``--memory-efficient-fp16`` and ``--amp`` run there and pass, and so does
+    ``--fp16`` under ``--ddp-backend fully_sharded`` (``fully_sharded``: fp32
+    sharded parameters and fairseq's loss scaler, no fp32 copy).
 
     Raises:
         UsageError: either case, naming the flag to use instead.
@@ -167,20 +175,10 @@ def check_training_precision(common) -> None:
         flag = "--memory-efficient-bf16" if common.memory_efficient_bf16 else "--bf16"
         raise UsageError(f"fairseq's {flag} means TPU (it needs torch_xla); for bf16 on a GPU or CPU "
                          f"use --bf16-autocast (fp32 weights, bf16 autocast)")
-    fp16_optimizer = common.fp16 and not common.memory_efficient_fp16  # fairseq sets fp16 for both
+    fp16_optimizer = common.fp16 and not common.memory_efficient_fp16 and not fully_sharded  # fp16: set for both
     if fp16_optimizer and (common.cpu or not torch.cuda.is_available()):
         raise UsageError("--fp16 needs a CUDA GPU (fairseq's FP16 optimizer keeps its fp32 master weights "
                          "there); on CPU train in fp32 or with --bf16-autocast")
-
-
-def data_parallel_backend_being_built() -> str:
-    """``fully_sharded`` while fairseq-train builds the model inside
-    fairscale's ``enable_wrap`` (its FSDP backend), else ``pytorch_ddp``.
-    Not the config's ``ddp_backend``: a checkpoint's config records the
-    backend of its training, and evaluating it builds the model without FSDP."""
-    from fairscale.nn.wrap.auto_wrap import ConfigAutoWrap
-
-    return "fully_sharded" if ConfigAutoWrap.in_autowrap_context else "pytorch_ddp"
 
 
 def check_options(args, model_parallel_size: int) -> None:

@@ -45,6 +45,24 @@ def shard_of(full: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.
     return full.narrow(dim, rank * size, size).clone()
 
 
+def fill_(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy ``value`` into ``target``; into a ``DTensor`` (a parameter sharded
+    over data-parallel ranks) this rank's piece of it, cut as the DTensor's
+    placements cut it (``torch.chunk``), without communication: every rank
+    holds the whole ``value``."""
+    with torch.no_grad():
+        if not hasattr(target, "device_mesh"):
+            target.copy_(value)
+            return
+        mesh, piece = target.device_mesh, value
+        for mesh_dim, placement in enumerate(target.placements):
+            if placement.is_shard():
+                pieces = torch.chunk(piece, mesh.size(mesh_dim), dim=placement.dim)
+                index = mesh.get_local_rank(mesh_dim)
+                piece = pieces[index] if index < len(pieces) else piece.narrow(placement.dim, 0, 0)
+        target.to_local().copy_(piece)
+
+
 class DeferredInitialisation:
     """The initialisations left out of a build within
     :func:`initialisation_deferred`, in the order they were due, and the
@@ -101,13 +119,22 @@ class DeferredInitialisation:
                     self._replaced[id(held)] = held
                 owner._parameters[name] = held
 
+    def replaced(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Record that parameter ``new`` took the place of ``old`` (sharded
+        data parallelism makes a ``DTensor`` of each): the draws for ``old``
+        go into ``new``, this rank's piece of them."""
+        self._replaced[id(old)] = new
+        for key, value in list(self._replaced.items()):
+            if value is old:
+                self._replaced[key] = new
+
     def held(self, param: torch.Tensor) -> Optional[torch.Tensor]:
         """The parameter that stands for ``param`` after :meth:`materialize`
-        (``param`` itself if it was never on the meta device); None for a meta
-        parameter that was dropped before."""
-        if not param.is_meta:
-            return param
-        return self._replaced.get(id(param))
+        and :meth:`replaced` (``param`` itself if nothing took its place); None
+        for a meta parameter that was dropped before."""
+        if id(param) in self._replaced:
+            return self._replaced[id(param)]
+        return None if param.is_meta else param
 
     def run(self) -> None:
         """Draw the queued initialisations, in order, from the state at the
@@ -191,8 +218,7 @@ def init_shard_(
         full = torch.empty(full_shape, dtype=torch.float32, device="cpu")
         init_method(full)
         if target is not None:
-            with torch.no_grad():
-                target.copy_(shard_of(full, dim, rank, world_size))
+            fill_(target, shard_of(full, dim, rank, world_size))
 
     if _deferred is not None:
         _deferred.add(lambda held: draw(held(shard)))

@@ -37,6 +37,7 @@ def _squared_norm(grads: List[torch.Tensor], device: torch.device) -> torch.Tens
     overflow a norm kept in fp16), a 0-dim tensor on ``device``."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # a DTensor's shard
     norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
     return torch.stack(norms).square().sum()
 
@@ -85,18 +86,28 @@ def model_parallel_norm_aggregator(model: nn.Module, group=None,
 
     Non-finite gradients (fp16 overflow) leave ``L^2`` unscaled, so an
     overflow still shows as an infinite or NaN norm; all-zero gradients give 0.
+
+    With sharded data parallelism the gradients are ``DTensor`` shards over
+    the data-parallel ranks: fairseq's ``L`` is then already the norm over
+    all shards (a replicated DTensor), and ``S``, ``R`` and ``E`` are summed
+    over the shards' group, each element counted once.
     """
     group = parallel_state.resolve_tensor_parallel(group).group
     reduce_group = group if reduce_group is None else reduce_group
     n = parallel_state.world_size(group)
     sharded, replicated, elsewhere = split_grads(model.parameters())
+    shards_group = next((g.device_mesh.get_group() for g in sharded + replicated + elsewhere
+                         if hasattr(g, "device_mesh")), None)
 
     def aggregate(local_norm: torch.Tensor) -> torch.Tensor:
+        if hasattr(local_norm, "full_tensor"):  # a DTensor: the norm over every shard
+            local_norm = local_norm.full_tensor()
         total = local_norm.float().square()
         if n > 1 or elsewhere:
-            s = _squared_norm(sharded, total.device)
-            r = _squared_norm(replicated, total.device)
-            e = _squared_norm(elsewhere, total.device)
+            squares = torch.stack([_squared_norm(grads, total.device) for grads in (sharded, replicated, elsewhere)])
+            if shards_group is not None:
+                dist.all_reduce(squares, group=shards_group)
+            s, r, e = squares
             share = (s + r / n) / (s + r + e)
             total = total * torch.where(torch.isfinite(share), share, torch.ones_like(share))
         if parallel_state.world_size(reduce_group) > 1:

@@ -190,6 +190,16 @@ def ensure_model_parallel(tensor: int = 1, pipeline: int = 1, context: int = 1) 
     initialize_model_parallel(tensor, pipeline, context)
 
 
+def start_single_rank_world() -> None:
+    """Start a torch.distributed world of this one process (NCCL with a GPU,
+    else gloo; an in-memory store, no environment needed), for code that
+    needs a process group even at one rank (torch's FSDP2)."""
+    import torch
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
 _patient_group: ProcessGroup = None
 
 

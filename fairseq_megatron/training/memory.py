@@ -8,13 +8,19 @@ includes workspaces and fragmentation); these counts are what the parallel
 layout decides, the same on any device.
 """
 
+import logging
+import resource
+import sys
 import weakref
-from typing import Iterable
+from typing import Iterable, List
 
 import torch
 import torch.nn as nn
 
 MIB = 2 ** 20
+
+logger = logging.getLogger(__name__)
+logger.setLevel(logging.INFO)  # every rank's report: fairseq raises the level on ranks other than 0
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -54,6 +60,59 @@ def optimizer_state_bytes(state: dict) -> int:
     """Bytes of the tensors of an optimizer's ``state`` (torch's
     ``optimizer.state``: ``{parameter: {name: value}}``)."""
     return tensor_bytes(value for entries in state.values() for value in entries.values())
+
+
+def _optimizers_within(optimizer, depth: int = 4) -> List[object]:
+    """The optimizers a fairseq optimizer wraps (its ``optimizer``,
+    ``fp32_optimizer``, ``wrapped_optimizer``, ...), outermost first."""
+    found = [optimizer]
+    if depth:
+        for name in ("_optimizer", "optimizer", "fp32_optimizer", "wrapped_optimizer"):
+            inner = vars(optimizer).get(name) if hasattr(optimizer, "__dict__") else None
+            if inner is not None and inner is not optimizer:
+                found += _optimizers_within(inner, depth - 1)
+    return found
+
+
+def fairseq_optimizer_state_bytes(optimizer) -> int:
+    """Bytes of the state of a fairseq optimizer (and of those it wraps):
+    torch optimizers' ``state`` (Adam's moments) and the fp32 master weights
+    of fairseq's ``FP16Optimizer`` (``fp32_params``)."""
+    tensors = []
+    for inner in _optimizers_within(optimizer):
+        if isinstance(inner, torch.optim.Optimizer):
+            tensors += [v for entries in inner.state.values() for v in entries.values()]
+        masters = getattr(inner, "fp32_params", None) if isinstance(getattr(inner, "__dict__", None), dict) else None
+        if torch.is_tensor(masters):
+            tensors.append(masters)
+        elif isinstance(masters, dict):
+            tensors += list(masters.values())
+    return tensor_bytes(tensors)
+
+
+def peak_memory_bytes() -> int:
+    """The most memory this process has held: the CUDA allocator's peak on a
+    GPU, else the process's peak resident set (Linux counts it in KiB, macOS
+    in bytes)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def memory_report(rank: int, model: nn.Module, optimizer) -> str:
+    """``memory of rank R: parameters X MiB, gradients Y MiB, optimizer state
+    Z MiB``, the bytes of the tensors this rank holds, and the peak device
+    (or process) memory."""
+    where = "device" if torch.cuda.is_available() and torch.cuda.is_initialized() else "process"
+    return (f"memory of rank {rank}: parameters {parameter_bytes(model) / MIB:.2f} MiB, gradients "
+            f"{gradient_bytes(model) / MIB:.2f} MiB, optimizer state {fairseq_optimizer_state_bytes(optimizer) / MIB:.2f} "
+            f"MiB; peak {where} memory {peak_memory_bytes() / MIB:.0f} MiB")
+
+
+def log_memory_report(rank: int, model: nn.Module, optimizer) -> None:
+    """Log :func:`memory_report` on every rank."""
+    logger.info(memory_report(rank, model, optimizer))
 
 
 class SavedActivations:

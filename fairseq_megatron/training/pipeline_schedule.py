@@ -143,7 +143,10 @@ class PipelineSchedule:
                  bf16_autocast: bool = False):
         self.model = model
         self.stage = stage
-        self.bf16_autocast = bf16_autocast
+        # what torch's PipelineStage runs: the root unit of sharded data parallelism too
+        self.stage_module = _StageModule(model.decoder, stage)
+        if bf16_autocast:
+            apply_bf16_autocast(self.stage_module)
         if micro_batches < self.stage.stages:
             raise UsageError(f"--update-freq {micro_batches} is below --pipeline-model-parallel-size "
                              f"{self.stage.stages}: the 1F1B schedule needs at least one micro-batch per stage")
@@ -164,10 +167,7 @@ class PipelineSchedule:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
         if self._schedule is None:
-            module = _StageModule(self.model.decoder, self.stage)
-            if self.bf16_autocast:
-                apply_bf16_autocast(module)
-            stage = PipelineStage(module, self.stage.stage, self.stage.stages, device, group=self.group)
+            stage = PipelineStage(self.stage_module, self.stage.stage, self.stage.stages, device, group=self.group)
             self._schedule = Schedule1F1B(stage, self.micro_batches, loss_fn=lambda out, tgt: self._loss_fn(out, tgt),
                                           scale_grads=False)
         return self._schedule
@@ -275,4 +275,7 @@ class PipelineSchedule:
     def _sum_over_embedding_group(weight) -> None:
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
-        dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+        grad = weight.grad
+        # sharded over data-parallel ranks (a DTensor): both stages hold the same shard of it
+        dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad,
+                        group=parallel_state.get_embedding_group())

@@ -3,7 +3,6 @@
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.parallel import parallel_state
 from tests.helpers import build_model, init_model_parallel, run_distributed
-from tests.support.errors import fully_sharded_build_error
 
 
 def _bad_dims_worker(rank, world_size):
@@ -23,7 +22,6 @@ def _bad_dims_worker(rank, world_size):
         errors["size"] = None
     except UsageError as e:
         errors["size"] = str(e)
-    errors["fsdp"] = fully_sharded_build_error(2)
     return {"tp": parallel_state.get_tensor_model_parallel_world_size(), "errors": errors}
 
 
@@ -36,16 +34,12 @@ def _world_not_divisible_worker(rank, world_size):
 
 
 def test_heads_and_ffn_must_divide_by_model_parallel_size(tmp_path):
-    """Also FSDP (``--ddp-backend fully_sharded``) at size 2: fairseq-train
-    would shard the model parts over the data-parallel ranks, which the
-    gradient norm and the part files do not expect."""
     results = run_distributed(_bad_dims_worker, 2, tmp_path)
     for r in results:
         assert r["tp"] == 2
         assert r["errors"]["heads"] == "--decoder-attention-heads 3 is not divisible by --model-parallel-size 2"
         assert r["errors"]["ffn"] == "--decoder-ffn-embed-dim 129 is not divisible by --model-parallel-size 2"
         assert "configured for model-parallel size 1" in r["errors"]["size"]
-        assert r["errors"]["fsdp"].startswith("--ddp-backend fully_sharded does not work with --model-parallel-size 2")
 
 
 def test_world_size_must_divide(tmp_path):

@@ -38,18 +38,13 @@ import pytest
 import torch
 
 from tests.helpers import run_distributed
-from tests.support.pipeline import train, whole_model
+from tests.support.pipeline import LR, compare_runs, train
 
 LAYERS, MICRO_BATCHES, UPDATES = 4, 4, 20
 # The 4-process layouts (on 2 cores each tensor-parallel all-reduce waits for a
 # rank that is not running) and the half-precision runs, with their references,
 # run fewer updates.
 SHORT = 3
-LOSS_TOL = dict(rtol=1e-5, atol=0.0)
-GRAD_TOL = dict(rtol=0.0, atol=1e-7)
-WEIGHT_TOL = dict(rtol=0.0, atol=1e-6)
-LR = 1e-3  # tests.support.pipeline's --lr
-KEY_BIAS_TOL = dict(rtol=0.0)  # atol: lr per update
 HALF = {"fp16": ("--memory-efficient-fp16", "--fp16-init-scale", "4"), "bf16": ("--bf16-autocast",)}
 HALF_LOSS_TOL = {"fp16": dict(rtol=1e-3, atol=0.0), "bf16": dict(rtol=1e-3, atol=0.0)}
 HALF_GRAD_TOL = {"fp16": dict(rtol=0.0, atol=5e-4), "bf16": dict(rtol=0.0, atol=1e-3)}
@@ -82,38 +77,19 @@ def _check_tied_copies(results, stages):
             assert first["embedding_digests"] == last["embedding_digests"]
 
 
-def _compare(pipelined, reference, loss_tol=LOSS_TOL, grad_tol=GRAD_TOL, weight_tol=WEIGHT_TOL):
-    ref = reference[0]
-    for r in pipelined:
-        assert len(r["losses"]) == len(r["norms"]) == len(ref["losses"])
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **loss_tol)
-        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref["norms"]), **loss_tol)
-    grads, ref_grads = whole_model(pipelined, "grads"), whole_model(reference, "grads")
-    assert sorted(grads) == sorted(ref_grads)
-    for name in ref_grads:
-        torch.testing.assert_close(grads[name].float(), ref_grads[name].float(), **grad_tol, msg=name)
-    if weight_tol is None:
-        return
-    params, ref_params = whole_model(pipelined, "params"), whole_model(reference, "params")
-    assert sorted(params) == sorted(ref_params)
-    for name in ref_params:
-        tol = dict(KEY_BIAS_TOL, atol=len(ref["losses"]) * LR) if name.endswith("k_proj.bias") else weight_tol
-        torch.testing.assert_close(params[name], ref_params[name], **tol, msg=name)
-
-
 def test_stages_match_one_stage(tmp_path):
     reference = _run(tmp_path, "p1", 1, 1)
     for stages in (2, 4):
         results = _run(tmp_path, f"p{stages}", 1, stages)
         _check_split(results, 1, stages, 1)
         _check_tied_copies(results, stages)
-        _compare(results, reference)
+        compare_runs(results, reference)
     # Control: the same run at twice the learning rate has the same first loss and then departs
     # from it; the comparison refuses it on the values.
     control = _run(tmp_path, "control", 1, 1, extra=("--lr", str(2 * LR)))
     assert control[0]["losses"][0] == reference[0]["losses"][0]
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
-        _compare(control, reference)
+        compare_runs(control, reference)
 
 
 @pytest.mark.slow
@@ -122,7 +98,7 @@ def test_tensor_and_pipeline_with_checkpointing_and_sequence_parallel(tmp_path):
     results = _run(tmp_path, "tp_pp", 2, 2, extra=extra, updates=SHORT)
     _check_split(results, 2, 2, 1)
     _check_tied_copies(results, 2)
-    _compare(results, _run(tmp_path, "tp", 2, 1, extra=extra, updates=SHORT))
+    compare_runs(results, _run(tmp_path, "tp", 2, 1, extra=extra, updates=SHORT))
 
 
 @pytest.mark.slow
@@ -130,7 +106,7 @@ def test_data_and_pipeline(tmp_path):
     results = _run(tmp_path, "dp_pp", 1, 2, data=2, updates=SHORT)
     _check_split(results, 1, 2, 2)
     _check_tied_copies(results, 2)
-    _compare(results, _run(tmp_path, "dp", 1, 1, data=2, updates=SHORT))
+    compare_runs(results, _run(tmp_path, "dp", 1, 1, data=2, updates=SHORT))
 
 
 @pytest.mark.slow
@@ -143,4 +119,4 @@ def test_half_precision(tmp_path, half):
     dtype = torch.float16 if half == "fp16" else torch.float32
     assert all(p.dtype == dtype for r in results for p in r["params"].values())
     reference = _run(tmp_path, f"{half}-one-stage", 1, 1, extra=HALF[half], updates=SHORT)
-    _compare(results, reference, HALF_LOSS_TOL[half], HALF_GRAD_TOL[half], weight_tol=None)
+    compare_runs(results, reference, HALF_LOSS_TOL[half], HALF_GRAD_TOL[half], weight_tol=None)

@@ -81,7 +81,13 @@ def build(tensor: int, stages: int, micro_batches: int, layers: int, extra=()):
 
 
 def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
+    return hashlib.sha256(_whole(t).detach().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or the whole of a DTensor sharded over data-parallel ranks
+    (collective: every rank of its group asks, in the same order)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def train(rank, world_size, tensor, stages, micro_batches, layers, updates, extra=()):
@@ -115,7 +121,11 @@ def train(rank, world_size, tensor, stages, micro_batches, layers, updates, extr
         if decoder.embed_tokens is not None:
             embedding_digests.append(_digest(decoder.embed_tokens.weight))
     model = trainer.get_model()
+    from fairseq_megatron.training.memory import fairseq_optimizer_state_bytes, gradient_bytes, parameter_bytes
+
     return {
+        "memory": (parameter_bytes(model), gradient_bytes(model), fairseq_optimizer_state_bytes(trainer.optimizer)),
+        "sharded": [n for n, p in model.named_parameters() if hasattr(p, "device_mesh")],
         "coordinates": (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank(),
                         parallel_state.get_pipeline_model_parallel_rank()),
         "layers": sorted({int(n.split(".")[2]) for n, _ in model.named_parameters() if n.startswith("decoder.layers.")}),
@@ -123,9 +133,9 @@ def train(rank, world_size, tensor, stages, micro_batches, layers, updates, extr
         "losses": losses,
         "norms": norms,
         "embedding_digests": embedding_digests,
-        "params": {n: p.detach().clone() for n, p in model.state_dict().items() if "version" not in n
+        "params": {n: _whole(p).detach().clone() for n, p in model.state_dict().items() if "version" not in n
                    and "_float_tensor" not in n},
-        "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None},
+        "grads": {n: _whole(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None},
     }
 
 
@@ -142,3 +152,36 @@ def whole_model(results: list, key: str) -> dict:
             tensors = [p[key][name] for p in parts]
             merged[name] = tensors[0] if dim is None else torch.cat(tensors, dim)
     return merged
+
+
+# The tolerances of runs that differ only in the order of fp32 sums (the
+# reasons: tests/distributed/test_pipeline_parallel.py's docstring).
+LOSS_TOL = dict(rtol=1e-5, atol=0.0)
+GRAD_TOL = dict(rtol=0.0, atol=1e-7)
+WEIGHT_TOL = dict(rtol=0.0, atol=1e-6)
+LR = 1e-3  # build's --lr
+KEY_BIAS_TOL = dict(rtol=0.0)  # atol: lr per update
+
+
+def compare_runs(results, reference, loss_tol=LOSS_TOL, grad_tol=GRAD_TOL, weight_tol=WEIGHT_TOL):
+    """Assert that the runs ``results`` and ``reference`` (:func:`train`'s,
+    every rank) logged the same loss and gradient norm per update, ended with
+    the same gradients and (unless ``weight_tol`` is None) the same weights,
+    whole models compared (:func:`whole_model`). The attention's key bias,
+    whose gradient is zero up to rounding, is compared at lr per update."""
+    ref = reference[0]
+    for r in results:
+        assert len(r["losses"]) == len(r["norms"]) == len(ref["losses"])
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **loss_tol)
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref["norms"]), **loss_tol)
+    grads, ref_grads = whole_model(results, "grads"), whole_model(reference, "grads")
+    assert sorted(grads) == sorted(ref_grads)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name].float(), ref_grads[name].float(), **grad_tol, msg=name)
+    if weight_tol is None:
+        return
+    params, ref_params = whole_model(results, "params"), whole_model(reference, "params")
+    assert sorted(params) == sorted(ref_params)
+    for name in ref_params:
+        tol = dict(KEY_BIAS_TOL, atol=len(ref["losses"]) * LR) if name.endswith("k_proj.bias") else weight_tol
+        torch.testing.assert_close(params[name], ref_params[name], **tol, msg=name)

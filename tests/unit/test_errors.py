@@ -9,18 +9,45 @@ import torch
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.models.options import check_dictionary_size
 from tests.helpers import build_model, make_batch, make_dictionary
-from tests.support.errors import fully_sharded_build_error
 
 
-def test_fully_sharded_on_cpu_is_refused_in_one_line():
-    """fairscale's FSDP on CPU failed with an AssertionError traceback
-    ("Torch not compiled with CUDA enabled"); outside FSDP's wrap the same
-    arguments build."""
-    assert fully_sharded_build_error(1, cpu=True) == (
-        "--ddp-backend fully_sharded needs CUDA GPUs (fairscale's FSDP); on CPU use --ddp-backend pytorch_ddp "
-        "(the default), no_c10d or legacy_ddp")
-    model, _ = build_model(1, cpu=True)
-    assert sum(p.numel() for p in model.parameters()) > 0
+def test_fully_sharded_refuses_what_fsdp2_does_not_do_in_one_line():
+    """fairscale's options and what copies or replays the parameters whole
+    are refused before any work; fairseq-train's fsdp_wrap gives our model
+    back as it is (MegatronTrainer shards it), where fairscale's FSDP needed
+    CUDA ("Torch not compiled with CUDA enabled") and flattened the parts."""
+    from types import SimpleNamespace
+
+    from fairscale.nn import FullyShardedDataParallel, enable_wrap
+
+    from fairseq_megatron.fairseq_integration.train import fsdp_wrap
+    from fairseq_megatron.models.options import check_fully_sharded
+
+    def refusal(**given):
+        distributed = SimpleNamespace(ddp_backend="fully_sharded", cpu_offload=False, use_sharded_state=False,
+                                      zero_sharding="none")
+        common, ema, model = SimpleNamespace(amp=False), SimpleNamespace(store_ema=False), SimpleNamespace()
+        for name, value in given.items():
+            for config in (distributed, common, ema, model):
+                if hasattr(config, name) or (config is model and name == "cuda_graphs"):
+                    setattr(config, name, value)
+                    break
+        try:
+            check_fully_sharded(distributed, common, ema, model)
+        except UsageError as e:
+            return str(e)
+        return None
+
+    assert refusal() is None
+    for given, flag in ((dict(cpu_offload=True), "--cpu-offload"), (dict(use_sharded_state=True), "--use-sharded-state"),
+                        (dict(zero_sharding="os"), "--zero-sharding os"), (dict(cuda_graphs=True), "--cuda-graphs"),
+                        (dict(store_ema=True), "--store-ema"), (dict(amp=True), "--amp")):
+        assert refusal(**given) == (f"{flag} does not work with --ddp-backend fully_sharded (torch's FSDP2 shards "
+                                    f"parameters, gradients and optimizer state over the data-parallel ranks); drop "
+                                    f"it, or use --ddp-backend pytorch_ddp"), flag
+    with enable_wrap(wrapper_cls=FullyShardedDataParallel):
+        model, _ = build_model(1, cpu=True)
+        assert fsdp_wrap(model) is model
 
 
 def test_heads_must_divide_the_embedding_and_the_vocabulary_must_fit():

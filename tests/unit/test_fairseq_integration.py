@@ -35,6 +35,7 @@ PINNED = {
     "fairseq_cli.train.train": "(cfg: omegaconf.dictconfig.DictConfig, trainer: fairseq.trainer.Trainer, "
                                "task: fairseq.tasks.fairseq_task.FairseqTask, "
                                "epoch_itr) -> Tuple[List[Optional[float]], bool]",
+    "fairseq_cli.train.fsdp_wrap": "(module, min_num_params: Optional[int] = None, **kwargs)",
     "fairseq_cli.eval_lm.main": "(cfg: omegaconf.dictconfig.DictConfig, **unused_kwargs)",
     "fairseq_cli.eval_lm.eval_lm": "(models: List[fairseq.models.fairseq_model.FairseqModel], "
                                    "source_dictionary: fairseq.data.dictionary.Dictionary, batch_iterator: Iterable, "

@@ -1,0 +1,99 @@
+"""Sharded data parallelism (``--ddp-backend fully_sharded``) on torch's FSDP2.
+
+``fully_shard`` (``torch.distributed.fsdp``) over the data-parallel
+dimension of the layout's ``DeviceMesh``: each decoder layer is one unit and
+the rest of the model (embeddings, final layer norm, output projection) the
+root unit, as torchtitan's ``apply_fsdp`` does. Each data-parallel rank then
+holds ``1 / D`` of every parameter (dimension 0, padded), and of its
+gradient and optimizer state; a unit's parameters are all-gathered before
+its forward and backward, and its gradients reduce-scattered after its
+backward (Rajbhandari et al. 2020, ZeRO stage 3). Tensor parallelism is
+the layers' own: FSDP2 shards each rank's tensor-parallel part further, over
+the ranks that hold the same part (the ``dp`` dimension), so it composes with
+tensor parallelism and pipeline stages.
+
+- ``reshard_after_forward`` (fairseq's default; ``--no-reshard-after-forward``
+  turns it off): parameters are freed after each unit's forward and
+  gathered again for its backward (ZeRO-3: two all-gathers of the model per
+  micro-batch); off, they stay gathered between forward and backward
+  (ZeRO-2: one all-gather, the memory of the whole gathered model meanwhile).
+- Precision (:func:`mixed_precision_policy`): fp32 sharded parameters
+  always; ``--fp16`` and ``--memory-efficient-fp16`` compute in fp16 through
+  FSDP2's ``MixedPrecisionPolicy`` (fairseq's loss scaler still scales the
+  loss), gradients reduced in fp16, or in fp32 with ``--fp32-reduce-scatter``;
+  ``--bf16-autocast`` keeps fp32 parameters and runs the forward under
+  autocast, as without sharding.
+- FSDP2 replaces every parameter by a ``DTensor`` and drops its Python
+  attributes; :func:`apply_fully_sharded` tags the replacements again
+  (:mod:`fairseq_megatron.modules.parameter_attributes`).
+"""
+
+from typing import Iterable, Optional
+
+import torch
+import torch.nn as nn
+
+from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
+
+
+def mixed_precision_policy(fp16: bool, fp32_reduce_scatter: bool):
+    """FSDP2's ``MixedPrecisionPolicy`` for fairseq's precision flags: fp16
+    compute (``fp16``) with gradients reduced in fp32 where
+    ``fp32_reduce_scatter``; None (fp32 throughout) otherwise."""
+    if not fp16:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.float16,
+                                reduce_dtype=torch.float32 if fp32_reduce_scatter else torch.float16)
+
+
+def apply_fully_sharded(root: nn.Module, units: Iterable[nn.Module], mesh, reshard_after_forward: bool = True,
+                        mp_policy=None, deferred=None) -> nn.Module:
+    """``fully_shard`` each module of ``units`` (the decoder layers), then
+    ``root`` (what holds the rest: the model, or a pipeline stage's module),
+    over the 1-D data-parallel ``mesh``. Returns ``root``, now an
+    ``FSDPModule``. ``deferred``: the model's
+    :class:`~fairseq_megatron.modules.sharding.DeferredInitialisation`, told
+    which parameter replaced which, so that its draws fill the shards.
+
+    Apply after compilation and activation checkpointing (FSDP2's hooks run
+    around each unit's call: a compiled layer stays one region)."""
+    from torch.distributed.fsdp import fully_shard
+
+    options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
+    if mp_policy is not None:
+        options["mp_policy"] = mp_policy
+    before = [(module, name, param) for module in root.modules() for name, param in module._parameters.items()
+              if param is not None]
+    for unit in units:
+        fully_shard(unit, **options)
+    fully_shard(root, **options)
+    if deferred is not None:
+        for module, name, param in before:
+            deferred.replaced(param, module._parameters[name])
+    retag_parameters(root)
+    return root
+
+
+def retag_parameters(module: nn.Module) -> None:
+    """Give the parameters that replaced others (FSDP2's DTensors) the
+    attributes the modules recorded for them."""
+    for child in module.modules():
+        if isinstance(child, KeepsParameterAttributes):
+            child.tag_parameters()
+
+
+def shard_model(model: nn.Module, root: nn.Module, cfg) -> None:
+    """Apply :func:`apply_fully_sharded` for fairseq-train's configuration
+    ``cfg``: over the layout's ``dp`` mesh, each decoder layer of ``model``
+    one unit, ``root`` (``model``, or the pipeline stage's module) the rest;
+    ``--no-reshard-after-forward``, ``--fp16`` and ``--fp32-reduce-scatter``
+    as the module docstring says."""
+    from fairseq_megatron.parallel import parallel_state
+
+    distributed = cfg.distributed_training
+    apply_fully_sharded(root, model.decoder.held_layers(), parallel_state.get_device_mesh()["dp"],
+                        reshard_after_forward=not distributed.no_reshard_after_forward,
+                        mp_policy=mixed_precision_policy(cfg.common.fp16, distributed.fp32_reduce_scatter),
+                        deferred=model.deferred_initialisation)

@@ -107,26 +107,33 @@ def set_model_parallel_size(state: dict, size: int, padded_vocab_size: int, stag
             _set(config, "model_parallel_size", size)
             _set(config, "padded_vocab_size", padded_vocab_size)
             if stages > 1 or config_value(config, "pipeline_model_parallel_size") is not None:
-                _set(config, "pipeline_model_parallel_size", stages)
+                _set_stages(config, stages, 1)
 
 
-def stage_layouts(config, stages: int) -> list:
+def stage_layouts(config, stages: int, virtual: int = 1) -> list:
     """The :class:`~fairseq_megatron.models.pipeline_stage.PipelineStageLayout`
-    of each of ``stages`` stages of the model ``config`` describes.
+    of each of ``stages`` stages (of ``virtual`` model chunks each) of the
+    model ``config`` describes.
 
     Raises:
-        UsageError: ``stages`` does not divide the decoder layers.
+        UsageError: ``stages x virtual`` does not divide the decoder layers.
     """
     from fairseq_megatron.models.pipeline_stage import PipelineStageLayout
 
     layers = int(config_value(config, "decoder_layers"))
     tied = bool(config_value(config, "share_decoder_input_output_embed", False))
-    return [PipelineStageLayout(stage, stages, layers, tied) for stage in range(stages)]
+    return [PipelineStageLayout(stage, stages, layers, tied, virtual) for stage in range(stages)]
 
 
-def split_stages(state: dict, stages: int) -> List[dict]:
+def _set_stages(config, stages: int, virtual: int) -> None:
+    _set(config, "pipeline_model_parallel_size", stages)
+    if virtual > 1 or config_value(config, "virtual_pipeline_model_parallel_size") is not None:
+        _set(config, "virtual_pipeline_model_parallel_size", virtual)
+
+
+def split_stages(state: dict, stages: int, virtual: int = 1) -> List[dict]:
     """One tensor part's checkpoint ``state`` (all layers) as the
-    checkpoints of its ``stages`` pipeline stages
+    checkpoints of its ``stages`` pipeline stages (of ``virtual`` model chunks)
     (:meth:`~fairseq_megatron.models.pipeline_stage.PipelineStageLayout.holds`),
     each recording ``stages`` in its config; the EMA weights are split the
     same way. ``[state]`` for one stage.
@@ -137,7 +144,7 @@ def split_stages(state: dict, stages: int) -> List[dict]:
     if stages == 1:
         return [state]
     out = []
-    for layout in stage_layouts(model_config(state), stages):
+    for layout in stage_layouts(model_config(state), stages, virtual):
         part = {k: v for k, v in state.items() if k not in ("model", "args", "cfg")}
         part.update({k: copy.deepcopy(state[k]) for k in ("args", "cfg") if k in state})
         part["extra_state"] = dict(state.get("extra_state") or {})
@@ -148,7 +155,7 @@ def split_stages(state: dict, stages: int) -> List[dict]:
                 part["extra_state"][entry] = OrderedDict((k, v) for k, v in weights.items() if layout.holds(k))
         for c in (part.get("args"), (part.get("cfg") or {}).get("model")):
             if c is not None:
-                _set(c, "pipeline_model_parallel_size", stages)
+                _set_stages(c, stages, virtual)
         out.append(part)
     return out
 
@@ -209,7 +216,7 @@ def merge_stages(states: List[dict], files: List[str]) -> dict:
     if all(e.get("ema") is not None for e in extras):
         merged["extra_state"] = dict(extras[0], ema=union([e["ema"] for e in extras]))
     merged.pop("last_optimizer_state", None)
-    _set(model_config(merged), "pipeline_model_parallel_size", 1)
+    _set_stages(model_config(merged), 1, 1)
     return merged
 
 

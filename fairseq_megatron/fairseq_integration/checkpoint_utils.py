@@ -191,7 +191,7 @@ def _refuse_an_ensemble_as_one_path(path: str) -> None:
                          f"(fairseq-generate and fairseq-interactive take an ensemble as --path a.pt{os.pathsep}b.pt)")
 
 
-def resharded_state(path: str, files: list, arg_overrides=None, with_ema: bool = False):
+def resharded_state(path: str, files: list, arg_overrides=None, with_ema: bool = False, virtual: int = 1):
     """This rank's part of checkpoint ``path`` (saved at another
     model-parallel size in ``files``, or in pipeline stages), built in
     memory (with pipeline stages in this run, this rank's stage of it), in the form fairseq's
@@ -227,7 +227,7 @@ def resharded_state(path: str, files: list, arg_overrides=None, with_ema: bool =
     state["extra_state"] = without_part_specific_state(state.get("extra_state"))
     if with_ema and had_ema:
         state["extra_state"]["ema"], _ = resharded_model(path, rank, size, entry="ema")
-    return split_stages(state, stages)[stage]
+    return split_stages(state, stages, virtual)[stage]
 
 
 def _on_every_rank(step, raised_elsewhere) -> None:
@@ -426,7 +426,8 @@ def checkpoint_for_rank(trainer, filename: str, reset_optimizer: bool) -> str:
                          f"model-parallel size {size} under the same names: pass another --save-dir")
     rows, symbols = saved_vocabulary(files[0])
     _check_vocabulary(trainer, rows and rows * len(files), symbols, path, size)
-    state = resharded_state(path, files, with_ema=store_ema)
+    state = resharded_state(path, files, with_ema=store_ema,
+                            virtual=int(getattr(trainer.cfg.model, "virtual_pipeline_model_parallel_size", 1) or 1))
     if state is None:
         raise UsageError(f"{path} does not hold a model-parallel transformer LM of fairseq_megatron: "
                          f"it cannot be split into model parts")

@@ -208,8 +208,8 @@ class MegatronTrainer(Trainer):
         # before fairseq's constructor, which reads the data-parallel size
         self.pipeline = _pipeline_schedule(cfg, task, model, stage) if stage.stages > 1 else None
         self.fully_sharded = cfg.distributed_training.ddp_backend == "fully_sharded"
-        if self.fully_sharded:  # the stage's module is the root unit of a pipeline stage
-            shard_model(model, self.pipeline.stage_module if self.pipeline else model, cfg)
+        if self.fully_sharded:  # with pipeline stages each model chunk's module is a root unit
+            shard_model(model, self.pipeline.chunk_modules if self.pipeline else [model], cfg)
         self._memory_reported = False
         with self._fairseq_fsdp_branches():  # no .half() of the sharded fp32 parameters
             super().__init__(cfg, task, model, criterion, quantizer)

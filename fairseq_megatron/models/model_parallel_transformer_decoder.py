@@ -163,17 +163,17 @@ class ModelParallelTransformerDecoder(KeepsParameterAttributes, TransformerDecod
         return (self.sequence_parallel and n > 1 and self.training and incremental_state is None
                 and x.size(0) % n == 0)
 
-    def run_layers(self, x, self_attn_mask, self_attn_padding_mask, incremental_state=None):
-        """The decoder layers this model holds on ``x`` ``(T, B, C)`` ->
-        ``(x, inner_states)``, with sequence parallelism around them where it
-        applies: ``x`` is split to ``(T / N, B, C)`` before the first layer
-        and gathered after the last."""
+    def run_layers(self, x, self_attn_mask, self_attn_padding_mask, incremental_state=None, layers=None):
+        """The decoder layers this model holds (or ``layers``: one model
+        chunk's) on ``x`` ``(T, B, C)`` -> ``(x, inner_states)``, with sequence
+        parallelism around them where it applies: ``x`` is split to
+        ``(T / N, B, C)`` before the first layer and gathered after the last."""
         group = self.tensor_parallel.group
         sequence_parallel = self.uses_sequence_parallel(x, incremental_state)
         if sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, group)
         x, inner_states = self.run_layer_stack(x, self_attn_mask, self_attn_padding_mask, incremental_state,
-                                               sequence_parallel)
+                                               sequence_parallel, layers)
         if sequence_parallel:
             x = gather_from_sequence_parallel_region(x, group, to_tensor_parallel_region=False)
         return x, inner_states
@@ -183,8 +183,9 @@ class ModelParallelTransformerDecoder(KeepsParameterAttributes, TransformerDecod
         after a pipeline split one stage's)."""
         return self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
 
-    def run_layer_stack(self, x, self_attn_mask, self_attn_padding_mask, incremental_state, sequence_parallel: bool):
-        """Every decoder layer held, in turn: ``x`` ``(T, B, C)`` (or the
+    def run_layer_stack(self, x, self_attn_mask, self_attn_padding_mask, incremental_state, sequence_parallel: bool,
+                        layers=None):
+        """Every decoder layer held (or of ``layers``), in turn: ``x`` ``(T, B, C)`` (or the
         ``(T / N, B, C)`` sequence shard) -> ``(x, inner_states)``, the input
         and each layer's output (only the last where :attr:`keep_inner_states`
         is off: with offloaded activations each layer's input lives in host
@@ -194,7 +195,7 @@ class ModelParallelTransformerDecoder(KeepsParameterAttributes, TransformerDecod
         (:mod:`fairseq_megatron.training.compile`)."""
         keep = self.keep_inner_states or not torch.is_grad_enabled()
         inner_states = [x] if keep else []
-        for layer in self.held_layers():
+        for layer in self.held_layers() if layers is None else layers:
             x, _, _ = layer(
                 x, None, None, incremental_state,
                 self_attn_mask=self_attn_mask,

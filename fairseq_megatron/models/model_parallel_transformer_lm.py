@@ -95,6 +95,14 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
                  "generation load them at one stage",
         )
         parser.add_argument(
+            "--virtual-pipeline-model-parallel-size", type=int, metavar="V", default=1,
+            help="with --pipeline-model-parallel-size P, give each stage V model chunks of "
+                 "L / (P x V) layers (stage s holds chunks s, s + P, ...) and run the interleaved 1F1B "
+                 "schedule: the pipeline bubble shrinks by V for V times the stages' point-to-point "
+                 "messages. Needs the layers divisible by P x V and --update-freq divisible by P; "
+                 "checkpoints keep the global layer numbers, so they load at any P and V",
+        )
+        parser.add_argument(
             "--padded-vocab-size", type=int, metavar="N",
             help="rows of the vocab-parallel embedding and softmax: the dictionary padded with "
                  "madeupword symbols (default: its size rounded up to a multiple of 8 x the "

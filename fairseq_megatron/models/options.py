@@ -14,7 +14,7 @@ import torch
 from fairseq.utils import safe_getattr
 
 from fairseq_megatron.errors import UsageError
-from fairseq_megatron.models.pipeline_stage import PipelineStageLayout, pipeline_stages
+from fairseq_megatron.models.pipeline_stage import PipelineStageLayout, pipeline_stages, virtual_stages
 
 
 def split_dimensions(heads: Optional[int], ffn: Optional[int], padded_vocab: Optional[int] = None):
@@ -258,9 +258,11 @@ def check_implemented(args) -> None:
 def check_pipeline_options(args) -> None:
     """Refuse a pipeline that cannot be built or scheduled, from the options alone.
 
-    The decoder layers are split evenly over the stages; one update's
+    The decoder layers are split evenly over the stages (and their model
+    chunks, ``--virtual-pipeline-model-parallel-size``); one update's
     micro-batches (``--update-freq``) go through torch's 1F1B schedule,
-    which needs at least one per stage; every micro-batch must have the
+    which needs at least one per stage (interleaved: a multiple of the
+    stages, Megatron-Core's rule); every micro-batch must have the
     shape the stages' buffers were made for, which only fairseq's
     ``--sample-break-mode none`` gives (full blocks of
     ``--tokens-per-sample``); the last stage computes the loss on its
@@ -272,17 +274,24 @@ def check_pipeline_options(args) -> None:
     Raises:
         UsageError: the first refusal, naming the option to change.
     """
-    stages = pipeline_stages(args)
+    stages, virtual = pipeline_stages(args), virtual_stages(args)
     if stages < 1:
         raise UsageError(f"--pipeline-model-parallel-size {stages}: the number of pipeline stages is at least 1")
+    if virtual < 1 or (virtual > 1 and stages == 1):
+        raise UsageError(f"--virtual-pipeline-model-parallel-size {virtual}: the number of model chunks per stage "
+                         f"is at least 1, and above 1 only with --pipeline-model-parallel-size above 1")
     if stages == 1:
         return
-    PipelineStageLayout(0, stages, int(args.decoder_layers), tied_embeddings=False)  # refuses an uneven split
+    PipelineStageLayout(0, stages, int(args.decoder_layers), False, virtual)  # refuses an uneven split
     micro_batches = safe_getattr(args, "update_freq", None)
     if micro_batches is not None and max(micro_batches) < stages:
         raise UsageError(f"--update-freq {max(micro_batches)} is below --pipeline-model-parallel-size {stages}: "
                          f"the 1F1B schedule runs the update's --update-freq micro-batches and needs at least "
                          f"one per stage")
+    if micro_batches is not None and virtual > 1 and max(micro_batches) % stages:
+        raise UsageError(f"--update-freq {max(micro_batches)} is not divisible by --pipeline-model-parallel-size "
+                         f"{stages}: the interleaved schedule (--virtual-pipeline-model-parallel-size {virtual}) "
+                         f"runs the micro-batches in rounds of one per stage")
     break_mode = safe_getattr(args, "sample_break_mode", None)
     if break_mode is not None and break_mode != "none":
         raise UsageError(f"--sample-break-mode {break_mode} with --pipeline-model-parallel-size {stages}: the "

@@ -18,7 +18,7 @@ whole model splits by :meth:`PipelineStageLayout.holds`.
 
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, NamedTuple, Optional
 
 from fairseq.utils import safe_getattr
 
@@ -37,37 +37,76 @@ def pipeline_stages(args) -> int:
     return 1 if stages is None else int(stages)
 
 
+def virtual_stages(args) -> int:
+    """``--virtual-pipeline-model-parallel-size`` of ``args`` (1 where not given)."""
+    virtual = safe_getattr(args, "virtual_pipeline_model_parallel_size", None)
+    return 1 if virtual is None else int(virtual)
+
+
+class Chunk(NamedTuple):
+    """One virtual stage (model chunk) of the interleaved schedule: its index
+    among the ``P x V`` virtual stages, its layers, and whether it embeds the
+    tokens (the first) or computes the logits (the last)."""
+
+    index: int
+    layers: range
+    is_first: bool
+    is_last: bool
+
+
 @dataclass(frozen=True)
 class PipelineStageLayout:
-    """Stage ``stage`` of ``stages`` of a decoder of ``layers`` layers.
+    """Stage ``stage`` of ``stages`` of a decoder of ``layers`` layers, each
+    stage holding ``virtual`` model chunks (Narayanan et al. 2021, section
+    2.2.2, the interleaved schedule; Megatron-Core's
+    ``--virtual-pipeline-model-parallel-size``): the ``P x V`` virtual stages
+    hold ``L / (P x V)`` consecutive layers each, and stage ``s`` holds virtual
+    stages ``s, s + P, ...`` (torch's loop placement).
 
     Raises (on construction):
-        UsageError: ``stages`` does not divide ``layers``, or ``stage`` is
-            not in ``0 .. stages - 1``.
+        UsageError: ``stages x virtual`` does not divide ``layers``, or
+            ``stage`` is not in ``0 .. stages - 1``.
     """
 
     stage: int
     stages: int
     layers: int
     tied_embeddings: bool
+    virtual: int = 1
 
     def __post_init__(self):
-        if self.stages < 1 or self.layers % self.stages:
-            raise UsageError(f"--decoder-layers {self.layers} is not divisible by --pipeline-model-parallel-size "
-                             f"{self.stages} (each stage holds the same number of layers)")
+        if self.stages < 1 or self.virtual < 1 or self.layers % (self.stages * self.virtual):
+            flags = f"--pipeline-model-parallel-size {self.stages}"
+            if self.virtual > 1:
+                flags += f" x --virtual-pipeline-model-parallel-size {self.virtual}"
+            raise UsageError(f"--decoder-layers {self.layers} is not divisible by {flags} (each stage holds the same "
+                             f"number of layers)")
         if not 0 <= self.stage < self.stages:
             raise UsageError(f"pipeline stage {self.stage} of {self.stages} does not exist")
 
     @classmethod
     def of(cls, args, stage: Optional[int] = None) -> "PipelineStageLayout":
         """The layout of model config ``args`` (``--pipeline-model-parallel-size``,
-        ``--decoder-layers``, ``--share-decoder-input-output-embed``) at
-        ``stage``, by default this rank's stage in its pipeline group."""
+        ``--virtual-pipeline-model-parallel-size``, ``--decoder-layers``,
+        ``--share-decoder-input-output-embed``) at ``stage``, by default this
+        rank's stage in its pipeline group."""
         stages = pipeline_stages(args)
         if stage is None:
             stage = parallel_state.get_pipeline_model_parallel_rank() if stages > 1 else 0
         return cls(stage, stages, int(args.decoder_layers),
-                   bool(safe_getattr(args, "share_decoder_input_output_embed", False)))
+                   bool(safe_getattr(args, "share_decoder_input_output_embed", False)), virtual_stages(args))
+
+    @property
+    def chunks(self) -> List[Chunk]:
+        """This stage's model chunks, in order (one without interleaving)."""
+        total = self.stages * self.virtual
+        per_chunk = self.layers // total
+        return [Chunk(i, range(i * per_chunk, (i + 1) * per_chunk), i == 0, i == total - 1)
+                for i in range(self.stage, total, self.stages)]
+
+    def holds_layer(self, index: int) -> bool:
+        """Whether decoder layer ``index`` is on this stage."""
+        return any(index in chunk.layers for chunk in self.chunks)
 
     @property
     def is_first(self) -> bool:
@@ -78,10 +117,9 @@ class PipelineStageLayout:
         return self.stage == self.stages - 1
 
     @property
-    def layer_range(self) -> range:
-        """The indices of the decoder layers this stage holds."""
-        per_stage = self.layers // self.stages
-        return range(self.stage * per_stage, (self.stage + 1) * per_stage)
+    def held_layers(self) -> List[int]:
+        """The indices of the decoder layers this stage holds, ascending."""
+        return [index for chunk in self.chunks for index in chunk.layers]
 
     @property
     def holds_embedding(self) -> bool:
@@ -101,7 +139,7 @@ class PipelineStageLayout:
         belong to every stage)."""
         layer = _LAYER_KEY.match(key)
         if layer:
-            return int(layer.group(1)) in self.layer_range
+            return self.holds_layer(int(layer.group(1)))
         if key == EMBEDDING_KEY:
             return self.holds_embedding
         if key.startswith(_FIRST_STAGE_PREFIXES):

@@ -75,18 +75,19 @@ def compile_layer_stack(decoder: nn.Module, backend: str = "inductor", cuda_grap
     activation-sized zero fills and copies per step for nothing."""
     eager = decoder.run_layer_stack
 
-    def last_output(x, self_attn_mask, self_attn_padding_mask, sequence_parallel):
-        return eager(x, self_attn_mask, self_attn_padding_mask, None, sequence_parallel)[0]
+    def last_output(x, self_attn_mask, self_attn_padding_mask, sequence_parallel, layers):
+        return eager(x, self_attn_mask, self_attn_padding_mask, None, sequence_parallel, layers)[0]
 
     if cuda_graphs and backend == "inductor":
         compiled = torch.compile(last_output, mode="reduce-overhead")
     else:
         compiled = torch.compile(last_output, backend=backend)
 
-    def run_layer_stack(x, self_attn_mask, self_attn_padding_mask, incremental_state, sequence_parallel):
+    def run_layer_stack(x, self_attn_mask, self_attn_padding_mask, incremental_state, sequence_parallel,
+                        layers=None):
         if not runs_compiled(decoder, incremental_state):
-            return eager(x, self_attn_mask, self_attn_padding_mask, incremental_state, sequence_parallel)
-        x = compiled(x, self_attn_mask, self_attn_padding_mask, sequence_parallel)
+            return eager(x, self_attn_mask, self_attn_padding_mask, incremental_state, sequence_parallel, layers)
+        x = compiled(x, self_attn_mask, self_attn_padding_mask, sequence_parallel, layers)
         return x, [x]
 
     decoder.run_layer_stack = run_layer_stack

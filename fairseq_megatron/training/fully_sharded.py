@@ -28,7 +28,7 @@ tensor parallelism and pipeline stages.
   (:mod:`fairseq_megatron.modules.parameter_attributes`).
 """
 
-from typing import Iterable, Optional
+from typing import Iterable, List
 
 import torch
 import torch.nn as nn
@@ -84,16 +84,19 @@ def retag_parameters(module: nn.Module) -> None:
             child.tag_parameters()
 
 
-def shard_model(model: nn.Module, root: nn.Module, cfg) -> None:
+def shard_model(model: nn.Module, roots: List[nn.Module], cfg) -> None:
     """Apply :func:`apply_fully_sharded` for fairseq-train's configuration
     ``cfg``: over the layout's ``dp`` mesh, each decoder layer of ``model``
-    one unit, ``root`` (``model``, or the pipeline stage's module) the rest;
+    one unit, each of ``roots`` (``[model]``, or the modules of a pipeline
+    stage's model chunks, each holding its layers) the rest;
     ``--no-reshard-after-forward``, ``--fp16`` and ``--fp32-reduce-scatter``
     as the module docstring says."""
     from fairseq_megatron.parallel import parallel_state
 
     distributed = cfg.distributed_training
-    apply_fully_sharded(root, model.decoder.held_layers(), parallel_state.get_device_mesh()["dp"],
-                        reshard_after_forward=not distributed.no_reshard_after_forward,
-                        mp_policy=mixed_precision_policy(cfg.common.fp16, distributed.fp32_reduce_scatter),
-                        deferred=model.deferred_initialisation)
+    layers = set(model.decoder.held_layers())
+    for root in roots:
+        apply_fully_sharded(root, [m for m in root.modules() if m in layers], parallel_state.get_device_mesh()["dp"],
+                            reshard_after_forward=not distributed.no_reshard_after_forward,
+                            mp_policy=mixed_precision_policy(cfg.common.fp16, distributed.fp32_reduce_scatter),
+                            deferred=model.deferred_initialisation)

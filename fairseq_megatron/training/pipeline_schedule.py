@@ -47,7 +47,7 @@ import torch.nn as nn
 from fairseq import utils
 
 from fairseq_megatron.errors import UsageError
-from fairseq_megatron.models.pipeline_stage import PipelineStageLayout
+from fairseq_megatron.models.pipeline_stage import Chunk, PipelineStageLayout
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.training.autocast import apply_bf16_autocast
 
@@ -98,30 +98,45 @@ def stack_micro_batches(samples: List[Optional[dict]], micro_batches: int, rows:
     }
 
 
-class _StageModule(nn.Module):
-    """What torch's ``PipelineStage`` calls: this stage's share of a
-    training or validation pass through ``decoder`` (split for ``stage``,
-    :mod:`fairseq_megatron.training.pipeline_split`)."""
+class ChunkModule(nn.Module):
+    """What torch's ``PipelineStage`` calls: one model chunk (a virtual
+    stage; the whole stage without interleaving) of a training or validation
+    pass through ``decoder`` (split for this stage,
+    :mod:`fairseq_megatron.training.pipeline_split`). It holds the chunk's
+    modules, and nothing of the other chunks: its layers, the embeddings on
+    the first chunk, the final layer norm and the output projection (with
+    the embedding it is tied to) on the last. Each is a root unit of sharded
+    data parallelism."""
 
-    def __init__(self, decoder, stage: PipelineStageLayout):
+    def __init__(self, decoder, chunk: Chunk):
         super().__init__()
-        self.decoder, self.stage = decoder, stage
+        self.chunk = chunk
+        self._decoder = (decoder,)  # its methods; a tuple, so that it is no submodule
+        self.layers = nn.ModuleList([decoder.layers[str(i)] if isinstance(decoder.layers, nn.ModuleDict)
+                                     else decoder.layers[i] for i in chunk.layers])
+        if chunk.is_first:
+            self.embed_tokens, self.embed_positions = decoder.embed_tokens, decoder.embed_positions
+            self.layernorm_embedding = decoder.layernorm_embedding
+        if chunk.is_last:
+            self.layer_norm, self.output_projection = decoder.layer_norm, decoder.output_projection
+            if decoder.share_input_output_embed:
+                self.embed_tokens = decoder.embed_tokens
 
     def forward(self, x):
-        """The first stage takes tokens ``(B, T)``, the others the previous
-        stage's output ``(T, B, C)``; the last returns this tensor rank's
+        """The first chunk takes tokens ``(B, T)``, the others the previous
+        chunk's output ``(T, B, C)``; the last returns this tensor rank's
         logits ``(B, T, V / N)``, the others ``(T, B, C)``. No key padding
         mask: the micro-batches are full blocks, padded only at their ends
         (fairseq's right padding), and the causal mask already keeps every
         real position from attending to them; their targets are padding,
         which the loss ignores."""
-        decoder = self.decoder
-        if self.stage.is_first:
+        decoder = self._decoder[0]
+        if self.chunk.is_first:
             x, _ = decoder.embed(x)
-        x, _ = decoder.run_layers(x, decoder.buffered_future_mask(x), None)
-        if self.stage.is_last:
+        x, _ = decoder.run_layers(x, decoder.buffered_future_mask(x), None, layers=list(self.layers))
+        if self.chunk.is_last:
             return decoder.output_layer(decoder.final_layer_norm(x), gather_logits=False)
-        return x.contiguous()  # sent to the next stage as it is laid out
+        return x.contiguous()  # sent to the next chunk as it is laid out
 
 
 class PipelineSchedule:
@@ -133,7 +148,9 @@ class PipelineSchedule:
     ``micro_batches``: ``m``, the update's ``--update-freq``; ``rows`` x
     ``length``: the micro-batch shape ``(B, T)``; ``pad``: the padding index;
     ``bf16_autocast``: run the stage's passes under bf16 autocast
-    (:mod:`fairseq_megatron.training.autocast`).
+    (:mod:`fairseq_megatron.training.autocast`). With model chunks
+    (``stage.virtual`` > 1) the schedule is torch's ``ScheduleInterleaved1F1B``
+    (Narayanan et al. 2021, section 2.2.2).
 
     Raises (on construction):
         UsageError: fewer micro-batches than stages.
@@ -143,10 +160,10 @@ class PipelineSchedule:
                  bf16_autocast: bool = False):
         self.model = model
         self.stage = stage
-        # what torch's PipelineStage runs: the root unit of sharded data parallelism too
-        self.stage_module = _StageModule(model.decoder, stage)
-        if bf16_autocast:
-            apply_bf16_autocast(self.stage_module)
+        # what torch's PipelineStage runs, one per model chunk: the root units of sharded data parallelism too
+        self.chunk_modules = [ChunkModule(model.decoder, chunk) for chunk in stage.chunks]
+        for module in self.chunk_modules if bf16_autocast else ():
+            apply_bf16_autocast(module)
         if micro_batches < self.stage.stages:
             raise UsageError(f"--update-freq {micro_batches} is below --pipeline-model-parallel-size "
                              f"{self.stage.stages}: the 1F1B schedule needs at least one micro-batch per stage")
@@ -161,15 +178,22 @@ class PipelineSchedule:
         return stack_micro_batches(samples, self.micro_batches, self.rows, self.length, self.pad)
 
     def _built(self, device: torch.device):
-        """torch's ``Schedule1F1B`` over this stage, made at the first step
-        (its module is imported here: its import is slow, and every process
-        of every fairseq tool would otherwise pay for it)."""
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+        """torch's ``Schedule1F1B`` (``ScheduleInterleaved1F1B`` with model
+        chunks) over this stage, made at the first step (its module is
+        imported here: its import is slow, and every process of every fairseq
+        tool would otherwise pay for it)."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
         if self._schedule is None:
-            stage = PipelineStage(self.stage_module, self.stage.stage, self.stage.stages, device, group=self.group)
-            self._schedule = Schedule1F1B(stage, self.micro_batches, loss_fn=lambda out, tgt: self._loss_fn(out, tgt),
-                                          scale_grads=False)
+            virtual_stages = self.stage.stages * self.stage.virtual
+            stages = [PipelineStage(module, module.chunk.index, virtual_stages, device, group=self.group)
+                      for module in self.chunk_modules]
+            loss_fn = lambda out, tgt: self._loss_fn(out, tgt)  # noqa: E731 (set per step)
+            if len(stages) == 1:
+                self._schedule = Schedule1F1B(stages[0], self.micro_batches, loss_fn=loss_fn, scale_grads=False)
+            else:
+                self._schedule = ScheduleInterleaved1F1B(stages, self.micro_batches, loss_fn=loss_fn,
+                                                         scale_grads=False)
         return self._schedule
 
     def _run(self, sample: dict, criterion, scale, train: bool) -> torch.Tensor:

@@ -27,7 +27,7 @@ def split_for_stage(model: nn.Module, stage: PipelineStageLayout) -> None:
     if stage.stages == 1:
         return
     decoder = model.decoder
-    decoder.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in stage.layer_range})
+    decoder.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in stage.held_layers})
     if not stage.holds_embedding:
         decoder.embed_tokens = None
     if not stage.is_first:

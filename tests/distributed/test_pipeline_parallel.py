@@ -7,6 +7,7 @@ ending an epoch (a short last batch with a short last block, and one sample
 fewer than ``--update-freq``), at P = 2 and P = 4, at T 2 x P 2 (with
 activation checkpointing and sequence parallelism) and at D 2 x P 2. Each
 run is compared with a one-stage run of the same tensor-parallel size,
+and so is P = 2 with 2 model chunks per stage (the interleaved schedule),
 options and data: per-update loss and gradient norm, the last update's gradients and
 the final weights. Each rank is shown to hold only its stage's layers, and
 the tied embedding's two copies (first and last stage) to be bitwise equal
@@ -55,14 +56,17 @@ def _run(tmp_path, name, tensor, stages, data=1, extra=(), updates=UPDATES):
                            updates, extra)
 
 
-def _check_split(results, tensor, stages, data):
-    """Every (tensor, data, stage) coordinate ran once, each rank holding only its stage's layers."""
+def _check_split(results, tensor, stages, data, virtual=1):
+    """Every (tensor, data, stage) coordinate ran once, each rank holding
+    only its stage's layers: with ``virtual`` model chunks per stage, those
+    of virtual stages s, s + P, ..."""
     coordinates = sorted(r["coordinates"] for r in results)
     assert coordinates == sorted((t, d, p) for t in range(tensor) for d in range(data) for p in range(stages))
-    per_stage = LAYERS // stages
+    per_chunk = LAYERS // (stages * virtual)
     for r in results:
         stage = r["coordinates"][2]
-        assert r["layers"] == list(range(stage * per_stage, (stage + 1) * per_stage)), r["coordinates"]
+        chunks = range(stage, stages * virtual, stages)
+        assert r["layers"] == [i for c in chunks for i in range(c * per_chunk, (c + 1) * per_chunk)], r["coordinates"]
         has = {n.split(".")[1] for n in r["names"]}
         assert ("embed_tokens" in has) == (stage in (0, stages - 1)), r["names"]
         assert ("layer_norm" in has) == (stage == stages - 1), r["names"]
@@ -84,6 +88,11 @@ def test_stages_match_one_stage(tmp_path):
         _check_split(results, 1, stages, 1)
         _check_tied_copies(results, stages)
         compare_runs(results, reference)
+    # the interleaved schedule: 2 stages of 2 model chunks, rank 0 holding layers 0 and 2, rank 1 layers 1 and 3
+    results = _run(tmp_path, "p2v2", 1, 2, extra=("--virtual-pipeline-model-parallel-size", "2"))
+    _check_split(results, 1, 2, 1, virtual=2)
+    _check_tied_copies(results, 2)
+    compare_runs(results, reference)
     # Control: the same run at twice the learning rate has the same first loss and then departs
     # from it; the comparison refuses it on the values.
     control = _run(tmp_path, "control", 1, 1, extra=("--lr", str(2 * LR)))

@@ -76,7 +76,7 @@ def test_layout_refuses_a_world_size_tensor_times_pipeline_does_not_divide():
 
 def test_stage_holds_its_layers_and_its_end_of_the_model():
     first, middle, last = (PipelineStageLayout(s, 3, 6, tied_embeddings=True) for s in range(3))
-    assert [list(s.layer_range) for s in (first, middle, last)] == [[0, 1], [2, 3], [4, 5]]
+    assert [s.held_layers for s in (first, middle, last)] == [[0, 1], [2, 3], [4, 5]]
     keys = ["decoder.embed_tokens.weight", "decoder.embed_positions._float_tensor", "decoder.layers.3.fc1.weight",
             "decoder.layer_norm.weight", "decoder.output_projection.weight", "decoder.version"]
     assert [k for k in keys if first.holds(k)] == [keys[0], keys[1], keys[5]]

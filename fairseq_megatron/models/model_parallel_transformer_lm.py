@@ -34,6 +34,8 @@ from fairseq_megatron.modules import (
     scatter_to_sequence_parallel_region,
 )
 from fairseq_megatron.modules import sharding
+from fairseq_megatron.modules.float8 import Float8Training, use_float8
+from fairseq_megatron.modules.float8 import emulated as float8_emulated
 from fairseq_megatron.training.padding import has_padding
 from fairseq_megatron.models.options import (
     pipeline_stages,
@@ -107,6 +109,21 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
             help="training forward passes run under torch.autocast(bfloat16) with fp32 weights, "
                  "fp32 gradients and no loss scaling (train without --fp16/--amp; fairseq's own "
                  "--bf16 means TPU). Evaluation and generation are not affected",
+        )
+        parser.add_argument(
+            "--fp8", action="store_true",
+            help="training passes compute the matrix products of the decoder layers' linears (q/k/v, "
+                 "attention output, FFN) in float8 through torchao's float8 training (pip install "
+                 "'fairseq_megatron[fp8]'); needs a GPU of compute capability 8.9 or newer (Ada, Hopper). "
+                 "Weights, gradients, optimizer state and checkpoints keep their dtype; the output "
+                 "projection, evaluation and generation stay in high precision. Use with --bf16-autocast "
+                 "(or fp32) and --compile-layers; refused with --fp16, --memory-efficient-fp16, --amp and "
+                 "pipeline stages",
+        )
+        parser.add_argument(
+            "--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise",
+            help="torchao's float8 scaling with --fp8: tensorwise (one dynamic scale per tensor, e5m2 "
+                 "gradients; the faster) or rowwise (a power-of-two scale per row, e4m3 throughout)",
         )
         parser.add_argument(
             "--pipeline-model-parallel-size", type=int, metavar="P", default=1,
@@ -257,6 +274,10 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
         )
         self.cuda_graphs = bool(safe_getattr(args, "cuda_graphs", False))
         self.offload_activations = bool(safe_getattr(args, "offload_activations", False))
+        self.fp8_recipe = None  # torchao's recipe with --fp8; its layers' settings come with the first train()
+        if safe_getattr(args, "fp8", False):
+            self.fp8_recipe = safe_getattr(args, "fp8_recipe", None) or "tensorwise"
+        self.float8 = None
         self._compiled_layer_stack = None
         self.pipeline_stage = PipelineStageLayout.of(args)
         self._layers_built = 0
@@ -338,13 +359,31 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
                 flag still loads for evaluation at any model-parallel size, and
                 fairseq's trainer calls ``train()`` before the part of a step
                 whose errors make it write ``crash.pt``.
+            UsageError: ``--fp8`` without torchao (the first call in training
+                mode gives the layers their float8 settings: :meth:`use_float8`).
         """
         if mode and self.cuda_graphs and self._compiled_layer_stack is None:
             raise UsageError(
                 "--cuda-graphs replays the compiled layer stack: it needs --compile-layers at "
                 "--model-parallel-size 1 without --checkpoint-activations or --offload-activations"
             )
+        if mode and self.fp8_recipe is not None and self.float8 is None:
+            self.use_float8()
         return super().train(mode)
+
+    def use_float8(self) -> None:
+        """Make the decoder layers' training passes compute their linears'
+        products in float8 (``--fp8``; :mod:`fairseq_megatron.modules.float8`)
+        with torchao's ``--fp8-recipe``, emulated in the test mode
+        (``FAIRSEQ_MEGATRON_FP8_EMULATE=1``). The first :meth:`train` calls
+        it, not the build: evaluating an ``--fp8`` checkpoint needs neither
+        torchao nor a float8 GPU. The output projection is left alone.
+
+        Raises:
+            UsageError: torchao is not installed.
+        """
+        self.float8 = Float8Training.of_recipe(self.fp8_recipe, emulate=float8_emulated())
+        use_float8(self.layers, self.float8)
 
     def upgrade_state_dict_named(self, state_dict, name):
         """fairseq's upgrade, minus one false alarm: a state dict without the

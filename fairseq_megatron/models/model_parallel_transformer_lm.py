@@ -384,6 +384,9 @@ class ModelParallelTransformerDecoder(parallel_state.SharesProcessGroupsWhenCopi
         """
         self.float8 = Float8Training.of_recipe(self.fp8_recipe, emulate=float8_emulated())
         use_float8(self.layers, self.float8)
+        logger.info(f"--fp8: in training passes the decoder layers' linears (q/k/v, attention output, FFN) compute "
+                    f"their products in float8 (torchao, {self.fp8_recipe} scaling"
+                    f"{', emulated: the test mode' if self.float8.config.emulate else ''})")
 
     def upgrade_state_dict_named(self, state_dict, name):
         """fairseq's upgrade, minus one false alarm: a state dict without the

@@ -23,7 +23,7 @@ The parts, their configurations in the order they run:
 
 - ``clocks`` (1.31B, 30 updates): ``anchor-old`` (``ANCHOR_INIT=torch
   ANCHOR_DATA=fixed``: torch's default initialisation and one fixed batch,
-  the anchor before 2026-11-26), ``anchor`` (GPT-2's initialisation and a
+  the anchor's earlier version), ``anchor`` (GPT-2's initialisation and a
   fresh batch per step), ``ours`` (bf16 autocast, compiled layer stack, CUDA
   graphs), ``ours-no-graphs``, ``ours-gpt2-init`` (the anchor's
   initialisation and no embedding scale: ``--init gpt2
@@ -31,8 +31,8 @@ The parts, their configurations in the order they run:
   its power (the old anchor's N(0, 1) embedding against GPT-2's 0.02; ours
   scales its embedding by sqrt(C)), or CUDA graphs' denser launches do.
 - ``loss`` (350M, 200 updates, the same seed): ``ours-loss-bf16`` and
-  ``ours-loss-fp8-tensorwise``; the last logged loss of each (the issue's
-  target: within 1%).
+  ``ours-loss-fp8-tensorwise``; the last logged loss of each (the target:
+  within 1%).
 - ``fp8`` (1.31B, 30 updates): ``anchor-bf16``, ``ours-fp8-tensorwise``,
   ``anchor-fp8-tensorwise``, ``ours-fp8-rowwise``, ``anchor-fp8-rowwise``
   (the anchor under ``ANCHOR_FLOAT8``: torchao's float8 training of its
@@ -42,8 +42,8 @@ The parts, their configurations in the order they run:
 
 ``--budget SECONDS`` skips (with a line, and a ``skipped`` row) each
 configuration whose estimated duration no longer fits: the longest run so
-far of the same part and kind, else a prior from the 2026-11-26 H200 call
-(68 s per run at 1.31B). Results are written after every configuration, so
+far of the same part and kind, else a prior (:data:`PRIOR_S`, from the GPU
+timings in docs/benchmarks.md). Results are written after every configuration, so
 a call cut short keeps what it measured.
 
 Written to ``--out`` (default ``$OUT``, else /tmp/gpu_clock_experiment),
@@ -96,9 +96,9 @@ CLOCK_FIELDS = [
 ]
 SAMPLE_FIELDS = ["time", "config", "sm_mhz", "power_w", "temp_c", "event_reasons", "reasons"]
 
-# Seconds per configuration before one of its part and kind has run: the
-# 2026-11-26 H200 call timed one implementation at 1.31B in 68 s with 40
-# updates (start, data, compilation, steps); float8 compiles more kernels.
+# Seconds per configuration before one of its part and kind has run, from
+# the H200 timings of a whole benchmark.py run in docs/benchmarks.md (start,
+# data, compilation, steps); float8 compiles more kernels.
 PRIOR_S = {"clocks": 65, "fp8": 80, "loss": 70, "11b": 70}
 PRIOR_TINY_S = 12  # a fresh fairseq-train on 2 CPU cores
 

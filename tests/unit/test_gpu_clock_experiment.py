@@ -45,7 +45,7 @@ def test_samples_are_summarised_over_the_timed_window_only():
 
 @pytest.mark.parametrize("gpu", [True, False])
 def test_the_plan_of_each_part(gpu):
-    """The issue's configurations, in order: ours compiled with CUDA graphs
+    """The configurations the experiment needs, in order: ours compiled with CUDA graphs
     on a GPU (not in ours-no-graphs), uncompiled without one; 30 updates,
     200 for the loss comparison at 350M."""
     configs = experiment.plan(["clocks", "loss", "fp8", "11b"], gpu)

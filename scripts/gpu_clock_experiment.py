@@ -59,7 +59,7 @@ Without a GPU (no ``nvidia-smi`` that answers): no sampling and no anchor,
 each said in one line; ours runs without compilation and CUDA graphs, and
 ``--fp8`` in torchao's emulation (the test mode
 ``FAIRSEQ_MEGATRON_FP8_EMULATE=1``). With ``--shape tiny`` that checks the
-script end to end in about a minute on 2 cores; its figures mean nothing.
+script end to end in a few minutes on 2 cores; its figures mean nothing.
 """
 
 import argparse

@@ -400,12 +400,12 @@ def check_fp8_environment(args, cpu: bool) -> None:
         return
     from fairseq_megatron.modules.float8 import Float8Training, emulated
 
+    if not emulated():  # the device first: it needs no import of torchao (a second)
+        needs = ("--fp8 needs a GPU with float8 matrix multiplies (compute capability 8.9 or newer: Ada, Hopper, "
+                 "Blackwell)")
+        if cpu or not torch.cuda.is_available():
+            raise UsageError(f"{needs}; this run is on the CPU")
+        capability = torch.cuda.get_device_capability()
+        if capability < (8, 9):
+            raise UsageError(f"{needs}; {torch.cuda.get_device_name()} has {capability[0]}.{capability[1]}")
     Float8Training.of_recipe(safe_getattr(args, "fp8_recipe", None) or "tensorwise", emulate=emulated())
-    if emulated():
-        return
-    needs = "--fp8 needs a GPU with float8 matrix multiplies (compute capability 8.9 or newer: Ada, Hopper, Blackwell)"
-    if cpu or not torch.cuda.is_available():
-        raise UsageError(f"{needs}; this run is on the CPU")
-    capability = torch.cuda.get_device_capability()
-    if capability < (8, 9):
-        raise UsageError(f"{needs}; {torch.cuda.get_device_name()} has {capability[0]}.{capability[1]}")

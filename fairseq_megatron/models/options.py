@@ -400,7 +400,7 @@ def check_fp8_environment(args, cpu: bool) -> None:
         return
     from fairseq_megatron.modules.float8 import Float8Training, emulated
 
-    if not emulated():  # the device first: it needs no import of torchao (a second)
+    if not emulated():  # the device first: it needs no import of torchao
         needs = ("--fp8 needs a GPU with float8 matrix multiplies (compute capability 8.9 or newer: Ada, Hopper, "
                  "Blackwell)")
         if cpu or not torch.cuda.is_available():

@@ -509,7 +509,8 @@ def timed_window(output: str, line_times, intervals: int = 3):
     fairseq's last line before training) to when the last one did. fairseq
     reads its meters back from the GPU when it logs, so a line arrives once
     the GPU has finished that interval's steps. None without that many."""
-    marks = [i for i, line in enumerate(output.splitlines()) if train_inner_record(line) is not None]
+    # split as run_with_line_times read it (universal newlines: "\n" ends every line)
+    marks = [i for i, line in enumerate(output.split("\n")) if train_inner_record(line) is not None]
     if len(marks) < intervals or marks[-intervals] == 0:
         return None
     return [line_times[marks[-intervals] - 1], line_times[marks[-1]]]

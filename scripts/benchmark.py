@@ -672,7 +672,7 @@ def run_anchor(args, work_dir: str, device: str):
     log_path = os.path.join(work_dir, f"anchor-{args.shape}.log")
     with open(log_path, "w") as f:
         f.write(output)
-    found = [(i, m) for i, line in enumerate(output.splitlines()) for m in _ANCHOR_LINE.findall(line)]
+    found = [(i, m) for i, line in enumerate(output.split("\n")) for m in _ANCHOR_LINE.findall(line)]
     if returncode != 0 or not found:
         tail = "\n".join(output.strip().splitlines()[-5:])
         raise SystemExit(f"error: the anchor {args.with_anchor} failed, exit {returncode}; log {log_path}:\n{tail}")

@@ -21,7 +21,6 @@ from fairseq_megatron.modules.model_parallel_multihead_attention import ModelPar
 from fairseq_megatron.models.options import check_fp8_environment
 from tests.helpers import build_model, make_batch, model_args
 from tests.support.float8 import (
-    FP32_TIGHT,
     RECIPES,
     assert_normwise_close,
     differs_beyond_fp32,

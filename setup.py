@@ -22,7 +22,11 @@ setup(
     extras_require={
         # fairseq-megatron-reshard --to-hf: transformers' XGLMForCausalLM, safetensors weights, a fast tokenizer
         "hf": ["transformers>=4.40", "safetensors"],
-        "test": ["pytest", "pytest-xdist", "tokenizers", "matplotlib", "transformers>=4.40", "safetensors"],
+        # --fp8: torchao's float8 training (and a GPU of compute capability 8.9 or newer)
+        "fp8": ["torchao==0.18.0"],
+        # torchao: the --fp8 tests emulate float8 on the CPU
+        "test": ["pytest", "pytest-xdist", "tokenizers", "matplotlib", "transformers>=4.40", "safetensors",
+                 "torchao==0.18.0"],
     },
     entry_points={
         "console_scripts": [

@@ -40,6 +40,24 @@ written under a temporary name, then renamed; a file with other columns is
 refused before anything runs); ``--png`` draws tokens/s and peak memory per
 configuration from every row of that CSV (matplotlib).
 
+``--fp8 tensorwise|rowwise`` trains ours with ``--fp8 --fp8-recipe``
+(float8 products through torchao; its rows' precision reads ``fp8-<recipe>``
+with ``--precision bf16-autocast``, else ``fp8-<recipe>/<precision>``, plus
+``-emulated`` in the test mode ``FAIRSEQ_MEGATRON_FP8_EMULATE=1``); the
+anchor's rows read ``fp8-<recipe>`` when ``ANCHOR_FLOAT8`` is set in the
+environment, whose ``ANCHOR_*`` knobs also go into their label and
+``command``. ``--init gpt2`` draws the weights of every fairseq-train run as
+the anchor draws its own (GPT-2's: normal 0.02, the residual projections
+0.02 / sqrt(2 x layers), biases 0), a benchmark-only switch; fairseq's
+``--no-scale-embedding`` (through ``--extra``) drops the embedding scale as well.
+``--record FILE`` adds one JSON line per timed run to FILE: its label,
+precision and tokens/s, the host-clock window (``time.time()``) of the
+steps its tokens/s measures (from when the log line before the last three
+intervals arrived to when the last one did; for the anchor, the last line
+minus its timed steps' duration), and the losses fairseq-train logged
+(update, base-2 loss) -- what ``scripts/gpu_clock_experiment.py`` reads to
+match GPU clock samples to runs.
+
 ``--shape tiny`` runs on a CPU in about a minute (CI runs it at
 model-parallel size 2 with gloo).
 """
@@ -56,6 +74,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --user-dir of this checkout (= fairseq_megatron.USER_DIR; the parent process
@@ -159,6 +178,18 @@ def _precision(args, impl: str, use_cuda: bool) -> str:
     return args.precision
 
 
+def precision_label(args, impl: str, use_cuda: bool) -> str:
+    """The precision a row reports: :func:`_precision`, or for ours with
+    ``--fp8`` the float8 recipe (with the precision of everything else when
+    that is not bf16 autocast, and ``-emulated`` in the test mode), so that
+    ratios compare like with like."""
+    precision = _precision(args, impl, use_cuda)
+    if impl != "megatron" or not args.fp8:
+        return precision
+    label = f"fp8-{args.fp8}" + ("" if precision == "bf16-autocast" else f"/{precision}")
+    return label + ("-emulated" if os.environ.get("FAIRSEQ_MEGATRON_FP8_EMULATE", "") not in ("", "0") else "")
+
+
 def _processes(args, impl: str) -> int:
     """Model parts times pipeline stages (ours; fairseq's transformer_lm: 1)."""
     return _model_parallel_size(args, impl) * (args.pipeline_model_parallel_size if impl == "megatron" else 1)
@@ -188,6 +219,8 @@ def train_command(args, impl: str, shape: dict, data_dir: str, result_file: str,
             model.append("--compile-layers")
         if args.cuda_graphs:
             model.append("--cuda-graphs")
+        if args.fp8:
+            model += ["--fp8", "--fp8-recipe", args.fp8]
     else:  # fairseq's own transformer_lm, at the same shape
         model = ["--arch", "transformer_lm_gpt2_small", *dims, "--dropout", "0.1"]
     if args.checkpoint_activations:
@@ -240,6 +273,8 @@ def run_child(result_file: str, train_argv) -> None:
     profile_to = os.environ.get("FAIRSEQ_MEGATRON_PROFILE")
     if profile_to:
         _profile_steps(profile_to)
+    if os.environ.get(INIT_VARIABLE) == "gpt2":
+        _gpt2_initialisation_before_the_first_step()
     sys.argv = ["fairseq-train"] + list(train_argv)
     train.cli_main()
     if torch.cuda.is_available():
@@ -269,6 +304,52 @@ def _profile_steps(path: str, first: int = 30, count: int = 5) -> None:
         if seen[0] == first + count - 1:
             profiler.stop()
         return out
+
+    Trainer.train_step = train_step
+
+
+# --init gpt2 reaches the fairseq-train process through its environment
+INIT_VARIABLE = "FAIRSEQ_MEGATRON_BENCH_INIT"
+
+
+def gpt2_initialisation_(model, seed: int = 1) -> None:
+    """Draw ``model``'s weights as the GPU kit's minimal GPT draws its own
+    (GPT-2's initialisation): every matrix normal(0, 0.02), the residual
+    projections (attention output, FFN out) normal(0, 0.02 / sqrt(2 L)) for
+    L layers, biases 0; layer norms and buffers (sinusoidal positions) kept.
+    In place, from a generator of its own on the parameters' device."""
+    import torch
+
+    names = [name for name, _ in model.named_parameters()]
+    layers = len({name.split(".layers.")[1].split(".")[0] for name in names if ".layers." in name}) or 1
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                generator = torch.Generator(device=p.device).manual_seed(seed)
+                std = 0.02 / (2 * layers) ** 0.5 if name.endswith(("out_proj.weight", "fc2.weight")) else 0.02
+                p.normal_(0.0, std, generator=generator)
+                seed += 1
+            elif name.endswith("bias"):
+                p.zero_()
+
+
+def _gpt2_initialisation_before_the_first_step() -> None:
+    """:func:`gpt2_initialisation_` of the trainer's model when its first
+    training step starts: after fairseq-train drew (or loaded) the weights
+    and before anything is compiled. The optimizer exists by then and holds
+    the parameters themselves (fp32 weights, or fp16 ones with
+    ``--memory-efficient-fp16``); fairseq's ``--fp16`` optimizer has copied
+    them to its fp32 master weights already, so :func:`main` refuses that
+    pair."""
+    from fairseq.trainer import Trainer
+
+    original, done = Trainer.train_step, []
+
+    def train_step(self, *a, **k):
+        if not done:
+            gpt2_initialisation_(self._model)
+            done.append(True)
+        return original(self, *a, **k)
 
     Trainer.train_step = train_step
 
@@ -373,22 +454,66 @@ def why_it_failed(output: str) -> str:
     return "\n".join(errors or output.strip().splitlines()[-5:])
 
 
+def train_inner_record(line: str):
+    """The json record of a fairseq ``train_inner`` log line (one log
+    interval: ``wps``, ``loss``, ``num_updates``, ...), or None."""
+    start = line.find("{")
+    if start < 0 or '"wps"' not in line:
+        return None
+    try:
+        record = json.loads(line[start:])
+    except ValueError:
+        return None
+    return record if "train_inner" in line or "update" in record else None
+
+
 def parse_log(output: str):
     """fairseq's json ``train_inner`` records -> (wps values in order, logged param count or None)."""
     wps, params = [], None
     for line in output.splitlines():
         if "num. shared model params:" in line and params is None:
             params = int(line.split("num. shared model params:")[1].split()[0].replace(",", ""))
-        start = line.find("{")
-        if start < 0 or '"wps"' not in line:
-            continue
-        try:
-            record = json.loads(line[start:])
-        except ValueError:
-            continue
-        if "train_inner" in line or "update" in record:
+        record = train_inner_record(line)
+        if record is not None:
             wps.append(float(record["wps"]))
     return wps, params
+
+
+def logged_losses(output: str) -> list:
+    """``[update, loss]`` of each ``train_inner`` record (fairseq's base-2
+    loss, the mean over the interval ending at that update)."""
+    losses = []
+    for line in output.splitlines():
+        record = train_inner_record(line)
+        if record is not None and "loss" in record:
+            losses.append([int(record.get("num_updates", 0)), float(record["loss"])])
+    return losses
+
+
+def run_with_line_times(cmd, env):
+    """``cmd`` with its standard output and error as one stream:
+    ``(returncode, output, line_times)``, where ``line_times[i]`` is the host
+    clock (``time.time()``) when line ``i`` of the output arrived."""
+    lines, times = [], []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        for line in proc.stdout:
+            times.append(time.time())
+            lines.append(line)
+    return proc.returncode, "".join(lines), times
+
+
+def timed_window(output: str, line_times, intervals: int = 3):
+    """``[start, end]`` on the host clock of the last ``intervals`` log
+    intervals, which the tokens/s is the median of: from when the output
+    line before the first of them arrived (the previous interval's, or
+    fairseq's last line before training) to when the last one did. fairseq
+    reads its meters back from the GPU when it logs, so a line arrives once
+    the GPU has finished that interval's steps. None without that many."""
+    # split as run_with_line_times read it (universal newlines: "\n" ends every line)
+    marks = [i for i, line in enumerate(output.split("\n")) if train_inner_record(line) is not None]
+    if len(marks) < intervals or marks[-intervals] == 0:
+        return None
+    return [line_times[marks[-intervals] - 1], line_times[marks[-1]]]
 
 
 def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
@@ -408,14 +533,15 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
         env["FAIRSEQ_MEGATRON_PROFILE"] = f"{root}-{impl}{ext}"
     if not use_cuda:
         env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    env[INIT_VARIABLE] = args.init
+    returncode, output, line_times = run_with_line_times(cmd, env)
     log_path = os.path.join(work_dir, f"{impl}-{args.shape}-mp{args.model_parallel_size}.log")
     with open(log_path, "w") as f:
-        f.write(proc.stdout)
-    if proc.returncode != 0:
-        raise SystemExit(f"error: fairseq-train ({impl}) failed, exit {proc.returncode}; log {log_path}:\n"
-                         f"{why_it_failed(proc.stdout)}")
-    wps, logged_params = parse_log(proc.stdout)
+        f.write(output)
+    if returncode != 0:
+        raise SystemExit(f"error: fairseq-train ({impl}) failed, exit {returncode}; log {log_path}:\n"
+                         f"{why_it_failed(output)}")
+    wps, logged_params = parse_log(output)
     if len(wps) < 3:
         raise SystemExit(f"error: fewer than 3 log intervals in {log_path}: raise --updates or lower --log-interval")
     ranks = []
@@ -431,9 +557,10 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
     if _processes(args, impl) == 1 and logged_params is not None and logged_params != params:  # one rank: all
         raise SystemExit(f"error: shape formula gives {params} parameters, fairseq logged {logged_params}")
     tokens_per_s = statistics.median(wps[-3:])
+    record = {"window": timed_window(output, line_times), "losses": logged_losses(output)}
     tflops = tokens_per_s * flops_per_token / 1e12
     eval_lm = run_eval_lm(args, impl, shape, data_dir, save_dir, use_cuda, model_parallel_size) if save_dir else {}
-    precision = _precision(args, impl, use_cuda)
+    precision = precision_label(args, impl, use_cuda)
     label = f"{'ours' if impl == 'megatron' else 'fairseq'} {args.shape} mp{model_parallel_size} {precision}"
     if impl == "megatron" and args.pipeline_model_parallel_size > 1:
         label += f" pp{args.pipeline_model_parallel_size}"
@@ -449,6 +576,8 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
         label += " ckpt"
     if args.offload_activations:
         label += " offload"
+    if args.init != "fairseq":
+        label += f" {args.init}-init"
     if args.label:
         label += f" {args.label}"
     return {
@@ -459,7 +588,7 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
         "peak_mem_gib": round(max(r["peak_bytes"] for r in ranks) / 2**30, 3) if ranks else "",
         "world_size": max((r["world_size"] for r in ranks), default=""),
         "command": " ".join(shlex.quote(str(c)) for c in cmd[cmd.index("--") + 1:]),
-        **eval_lm,
+        **eval_lm, "_record": record,
     }
 
 
@@ -498,7 +627,9 @@ def run_eval_lm(args, impl, shape, data_dir, save_dir, use_cuda, model_parallel_
 
 
 # The anchor file benchmarks every shape when run; its definitions end where
-# that loop starts. The child runs them, then bench() for one shape.
+# that loop starts. The child runs them, then bench() for one shape, timing
+# this many steps (bench's default) after its warm-up.
+ANCHOR_TIMED_STEPS = 30
 _ANCHOR_LOOP = "\nfor c in (False, True):"
 _ANCHOR_CHILD = """
 import os
@@ -517,9 +648,11 @@ if profile_to:
     profile_optimizer_steps(f"{root}-anchor{ext}")
 exec(compile(source[:cut], path, "exec"), namespace)
 namespace["bench"](name, int(layers), int(hidden), int(heads), int(ffn), compile_=True,
-                   B=int(batch), T=int(seq_len))
-""" % (_ANCHOR_LOOP, os.path.abspath(__file__))
+                   steps=%d, B=int(batch), T=int(seq_len))
+""" % (_ANCHOR_LOOP, os.path.abspath(__file__), ANCHOR_TIMED_STEPS)
 ANCHOR_VOCAB = 50048  # the anchor's embedding rows, whatever the shape's vocabulary
+# The anchor's environment knobs (its docstring): initialisation, data, float8 training
+ANCHOR_KNOBS = ("ANCHOR_INIT", "ANCHOR_DATA", "ANCHOR_FLOAT8")
 _ANCHOR_LINE = re.compile(
     r"compiled: ([0-9]+)M params, ([0-9.]+) tokens/s, [0-9.]+ TFLOP/s, peak mem ([0-9.]+) GiB")
 
@@ -528,29 +661,40 @@ def run_anchor(args, work_dir: str, device: str):
     """``bench(..., compile_=True)`` of the ``--with-anchor`` file for this shape,
     in its own process; returns a CSV row like :func:`run_one`'s (model FLOPs
     from this script's formula with the anchor's vocabulary, which is also how
-    the anchor counts them)."""
+    the anchor counts them). The ``ANCHOR_*`` knobs of this environment reach
+    it and are named in the row's label and command; with ``ANCHOR_FLOAT8``
+    its precision is ``fp8-<recipe>``."""
     shape = resolved_shape(args)
     argv = [args.with_anchor, f"anchor {args.shape}", shape["layers"], shape["hidden"], shape["heads"],
             shape["ffn"], shape["batch"], shape["seq_len"]]
-    proc = subprocess.run([sys.executable, "-c", _ANCHOR_CHILD, *map(str, argv)], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    returncode, output, line_times = run_with_line_times([sys.executable, "-c", _ANCHOR_CHILD, *map(str, argv)],
+                                                         dict(os.environ, PYTHONWARNINGS="ignore"))
     log_path = os.path.join(work_dir, f"anchor-{args.shape}.log")
     with open(log_path, "w") as f:
-        f.write(proc.stdout)
-    found = _ANCHOR_LINE.findall(proc.stdout)
-    if proc.returncode != 0 or not found:
-        tail = "\n".join(proc.stdout.strip().splitlines()[-5:])
-        raise SystemExit(f"error: the anchor {args.with_anchor} failed, exit {proc.returncode}; log {log_path}:\n{tail}")
-    _, tokens_per_s, peak_gib = found[-1]
+        f.write(output)
+    found = [(i, m) for i, line in enumerate(output.split("\n")) for m in _ANCHOR_LINE.findall(line)]
+    if returncode != 0 or not found:
+        tail = "\n".join(output.strip().splitlines()[-5:])
+        raise SystemExit(f"error: the anchor {args.with_anchor} failed, exit {returncode}; log {log_path}:\n{tail}")
+    line, (_, tokens_per_s, peak_gib) = found[-1]
     params = count_params(shape, ANCHOR_VOCAB)
     tflops = float(tokens_per_s) * model_shape(shape, ANCHOR_VOCAB).flops_per_token() / 1e12
+    # it prints once its timed steps are done: they took steps x tokens per step / tokens per second
+    timed_s = ANCHOR_TIMED_STEPS * shape["batch"] * shape["seq_len"] / float(tokens_per_s)
+    knobs = {k: os.environ[k] for k in ANCHOR_KNOBS if os.environ.get(k)}
+    float8 = knobs.get("ANCHOR_FLOAT8")
     return {
         "date": datetime.date.today().isoformat(), "device": device,
-        "label": f"compiled minimal GPT {args.shape}" + (f" {args.label}" if args.label else ""),
-        "impl": "anchor", "shape": args.shape, "model_parallel_size": 1, "precision": "bf16-autocast",
+        "label": " ".join([f"compiled minimal GPT {args.shape}"] + [f"{k}={v}" for k, v in knobs.items()]
+                          + ([args.label] if args.label else [])),
+        "impl": "anchor", "shape": args.shape, "model_parallel_size": 1,
+        "precision": f"fp8-{float8}" if float8 else "bf16-autocast",
         "params": params, "tokens_per_s": round(float(tokens_per_s), 1), "model_tflops": round(tflops, 6),
         "share_of_peak": round(tflops / args.peak_tflops, 6), "peak_mem_gib": float(peak_gib),
-        "world_size": 1, "command": " ".join(shlex.quote(str(a)) for a in argv),
+        "world_size": 1,
+        "command": " ".join([f"{k}={shlex.quote(v)}" for k, v in knobs.items()]
+                            + [shlex.quote(str(a)) for a in argv]),
+        "_record": {"window": [line_times[line] - timed_s, line_times[line]], "losses": []},
     }
 
 
@@ -593,6 +737,25 @@ def write_csv(path: str, rows) -> None:
     finally:
         if os.path.exists(tmp):  # the write failed: no partial file stays behind
             os.remove(tmp)
+
+
+def run_record(row: dict) -> dict:
+    """What ``--record`` keeps of a run (and takes off its CSV row): label,
+    implementation, shape, precision, tokens/s, ``window`` (host-clock
+    seconds of the timed steps, or None) and ``losses`` (``[update, loss]``)."""
+    extra = row.pop("_record", None) or {}
+    return {**{k: row[k] for k in ("label", "impl", "shape", "precision", "tokens_per_s")},
+            "window": extra.get("window"), "losses": extra.get("losses", [])}
+
+
+def append_records(path: str, records) -> None:
+    """Add ``records`` to the JSON-lines file ``path`` (written whole under a
+    temporary name, then renamed)."""
+    old = open(path).read() if os.path.exists(path) else ""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(old + "".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
 
 
 def draw_png(csv_path: str, png_path: str) -> None:
@@ -648,6 +811,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="our layer stack replayed as CUDA graphs (needs --compile-layers at model-parallel size 1; "
                         "our model refuses it otherwise)")
+    p.add_argument("--fp8", choices=["tensorwise", "rowwise"],
+                   help="ours with --fp8 --fp8-recipe RECIPE (float8 products through torchao; a GPU of compute "
+                        "capability 8.9 or newer, or the test mode FAIRSEQ_MEGATRON_FP8_EMULATE=1)")
+    p.add_argument("--init", choices=["fairseq", "gpt2"], default="fairseq",
+                   help="gpt2: draw the weights of every fairseq-train run as the GPU kit's minimal GPT does "
+                        "(normal 0.02, residual projections 0.02 / sqrt(2 layers), biases 0); benchmark only")
+    p.add_argument("--record", metavar="FILE",
+                   help="add a JSON line per timed run to FILE: label, precision, tokens/s, the host-clock window "
+                        "of the timed steps, the logged losses")
     p.add_argument("--batch-size", type=int, help="micro-batch in sequences (default: the shape's)")
     p.add_argument("--seq-len", type=int, help="tokens per sample (default: the shape's)")
     p.add_argument("--updates", type=int, default=60)
@@ -708,6 +880,11 @@ def main(argv=None):
     args.precision = args.precision or ("fp16" if use_cuda else "fp32")
     if not use_cuda and args.precision not in ("fp32", "bf16-autocast"):
         p.error(f"--precision {args.precision} needs a GPU")
+    if args.init == "gpt2" and args.precision == "fp16":
+        p.error("--init gpt2 draws the weights at the first step, after fairseq's --fp16 optimizer copied them "
+                "to its fp32 master weights; use --precision bf16-autocast or memory-efficient-fp16")
+    if args.fp8 and not use_cuda and os.environ.get("FAIRSEQ_MEGATRON_FP8_EMULATE", "") in ("", "0"):
+        p.error("--fp8 needs a GPU with float8 matrix multiplies (or the test mode FAIRSEQ_MEGATRON_FP8_EMULATE=1)")
     gpus = args.model_parallel_size * args.pipeline_model_parallel_size
     if use_cuda and gpus > torch.cuda.device_count():
         p.error(f"--model-parallel-size {args.model_parallel_size} x --pipeline-model-parallel-size "
@@ -724,9 +901,11 @@ def main(argv=None):
         impls = []
     rows = []
     eval_lm_failed = False
+    records = []
     for impl in impls:
         row = run_one(args, impl, args.work_dir, use_cuda, device)
         eval_lm_failed |= row.pop("eval_lm_failed", False)
+        records.append(run_record(row))
         rows.append(row)
         print(describe(row, args.peak_tflops), flush=True)
         if "eval_lm_s" in row:
@@ -736,6 +915,7 @@ def main(argv=None):
                   f"Wikitext-103 test set", flush=True)
     if args.with_anchor:
         row = run_anchor(args, args.work_dir, device)
+        records.append(run_record(row))
         rows.append(row)
         print(describe(row, args.peak_tflops), flush=True)
     by_impl = {row["impl"]: row["tokens_per_s"] for row in rows}
@@ -743,6 +923,8 @@ def main(argv=None):
                        ("anchor", "fairseq", "compiled minimal GPT / fairseq")):
         if a in by_impl and b in by_impl:
             print(f"{name}: {by_impl[a] / by_impl[b]:.2f}x tokens/s")
+    if args.record:
+        append_records(args.record, records)
     if args.csv:
         write_csv(args.csv, read_csv_rows(args.csv) + rows)  # read again: another run may have added rows
     if args.png:

@@ -11,7 +11,8 @@
   after building the model (:func:`~fairseq_megatron.models.options.check_fully_sharded`);
   ``--bf16`` without torch_xla and ``--fp16`` on CPU failed with
   tracebacks after building it; a ``--save-dir`` with a file in its path
-  was "Not a directory: '<save-dir>/dummy'". (The model's own option checks
+  was "Not a directory: '<save-dir>/dummy'"; ``--fp8`` without torchao or a
+  float8 GPU is refused here too. (The model's own option checks
   already run while fairseq parses the command line.) The refusals that
   need the task or a checkpoint (a dict.txt other than the checkpoint's,
   training samples all longer than the model's positions) come after
@@ -51,6 +52,7 @@ def main(cfg, **kwargs):
     from fairseq_megatron.errors import check_directory_can_be_made
     from fairseq_megatron.models.model_parallel_transformer_lm import is_model_parallel_arch
     from fairseq_megatron.models.options import (
+        check_fp8_environment,
         check_fully_sharded,
         check_pipeline_data_parallel_backend,
         check_training_precision,
@@ -72,6 +74,7 @@ def main(cfg, **kwargs):
     check_fully_sharded(cfg.distributed_training, cfg.common, cfg.ema, cfg.model)
     check_pipeline_data_parallel_backend(cfg.distributed_training.ddp_backend, layout.pipeline, layout.data)
     check_training_precision(cfg.common, fully_sharded=cfg.distributed_training.ddp_backend == "fully_sharded")
+    check_fp8_environment(cfg.model, cfg.common.cpu)
     # fairseq's main makes --save-dir on the master rank only
     made = directories_missing(cfg.checkpoint.save_dir) if distributed_utils.is_master(
         cfg.distributed_training) else []

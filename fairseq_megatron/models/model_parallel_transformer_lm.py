@@ -86,6 +86,21 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
                  "--bf16 means TPU). Evaluation and generation are not affected",
         )
         parser.add_argument(
+            "--fp8", action="store_true",
+            help="training passes compute the matrix products of the decoder layers' linears (q/k/v, "
+                 "attention output, FFN) in float8 through torchao's float8 training (pip install "
+                 "'fairseq_megatron[fp8]'); needs a GPU of compute capability 8.9 or newer (Ada, Hopper). "
+                 "Weights, gradients, optimizer state and checkpoints keep their dtype; the output "
+                 "projection, evaluation and generation stay in high precision. Use with --bf16-autocast "
+                 "(or fp32) and --compile-layers; refused with --fp16, --memory-efficient-fp16, --amp and "
+                 "pipeline stages",
+        )
+        parser.add_argument(
+            "--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise",
+            help="torchao's float8 scaling with --fp8: tensorwise (one dynamic scale per tensor, e5m2 "
+                 "gradients; the faster) or rowwise (a power-of-two scale per row, e4m3 throughout)",
+        )
+        parser.add_argument(
             "--pipeline-model-parallel-size", type=int, metavar="P", default=1,
             help="split the decoder layers evenly over P pipeline stages, one per process (with "
                  "--model-parallel-size T the world size is a multiple of T x P); training runs "

@@ -184,7 +184,8 @@ def check_training_precision(common, fully_sharded: bool = False) -> None:
 def check_options(args, model_parallel_size: int) -> None:
     """Refuse options this model cannot be built or trained with, from the
     options alone: sizes the model-parallel size does not divide, conflicting
-    precision flags, ``--cuda-graphs`` with gradient accumulation, and
+    precision flags, ``--cuda-graphs`` with gradient accumulation, what
+    ``--fp8`` does not run with (:func:`check_fp8_options`), and
     transformer_lm options the layers do not implement.
 
     fairseq's parser gives our archs every transformer_lm option; these the
@@ -225,6 +226,7 @@ def check_options(args, model_parallel_size: int) -> None:
             "the gradients being accumulated; use --update-freq 1 (a larger --batch-size instead)"
         )
     check_pipeline_options(args)
+    check_fp8_options(args, model_parallel_size)
     check_implemented(args)
 
 
@@ -306,3 +308,87 @@ def check_pipeline_options(args) -> None:
         unsupported.append(f"--decoder-layerdrop {args.decoder_layerdrop}")
     if unsupported:
         raise UsageError(f"{' '.join(unsupported)}: not supported with --pipeline-model-parallel-size {stages}")
+
+
+# torch._scaled_mm, the float8 GEMM, needs both dimensions of its second
+# operand divisible by 16; torchao pads nothing unless told to.
+FLOAT8_GEMM_MULTIPLE = 16
+
+
+def check_fp8_options(args, model_parallel_size: int) -> None:
+    """Refuse ``--fp8`` where it cannot run, from the options alone.
+
+    - ``--fp16``, ``--memory-efficient-fp16``, ``--amp``: torchao's float8
+      training takes its high-precision operands in bf16 (``--bf16-autocast``)
+      or fp32, the two it is made and tested for; fp16 weights and loss
+      scaling with it are untested here.
+    - ``--pipeline-model-parallel-size`` > 1: untested with pipeline stages.
+    - Float8 GEMMs need these multiples of 16: each linear's input and output
+      features on one rank (the embedding dim C, C / N and FFN / N at
+      model-parallel size N), and the tokens of a batch, whose sum is the
+      inner dimension of the weight gradient's product. Batches of
+      ``--tokens-per-sample`` tokens per row (``--sample-break-mode none``)
+      keep every batch a multiple when that is one; other break modes make
+      rows of any length. Checked on the options of every run, emulated or
+      not, so that the test mode refuses what a GPU would fail on.
+
+    Tensor and sequence parallelism, ``--compile-layers``, ``--cuda-graphs``
+    and activation checkpointing run with it. What needs the machine (torchao
+    installed, a float8 GPU) is :func:`check_fp8_environment`'s.
+
+    Raises:
+        UsageError: the first refusal, naming the option to change.
+    """
+    if not safe_getattr(args, "fp8", False):
+        return
+    half = [f"--{f.replace('_', '-')}" for f in ("fp16", "memory_efficient_fp16", "amp")
+            if safe_getattr(args, f, False)]
+    if half:
+        raise UsageError(f"--fp8 with {' '.join(half)}: torchao's float8 training takes bf16 or fp32 operands; "
+                         f"train with --bf16-autocast (fp32 weights) instead")
+    stages = pipeline_stages(args)
+    if stages > 1:
+        raise UsageError(f"--fp8 with --pipeline-model-parallel-size {stages}: float8 is untested with pipeline "
+                         f"stages; drop one of the two")
+    embed_dim, ffn = int(args.decoder_embed_dim), int(args.decoder_ffn_embed_dim)
+    for flag, value, parts in (("--decoder-embed-dim", embed_dim, 1),
+                               ("--decoder-embed-dim", embed_dim, model_parallel_size),
+                               ("--decoder-ffn-embed-dim", ffn, model_parallel_size)):
+        if (value // parts) % FLOAT8_GEMM_MULTIPLE:
+            raise UsageError(f"--fp8 needs the linears' features on each rank a multiple of {FLOAT8_GEMM_MULTIPLE} "
+                             f"(float8 GEMMs): {flag} {value} at --model-parallel-size {model_parallel_size} "
+                             f"gives {value // parts}")
+    break_mode = safe_getattr(args, "sample_break_mode", None)
+    tokens_per_sample = safe_getattr(args, "tokens_per_sample", None)
+    if break_mode is not None and break_mode != "none":
+        raise UsageError(f"--fp8 with --sample-break-mode {break_mode}: float8 GEMMs need each batch's token "
+                         f"count a multiple of {FLOAT8_GEMM_MULTIPLE}; use --sample-break-mode none")
+    if tokens_per_sample is not None and int(tokens_per_sample) % FLOAT8_GEMM_MULTIPLE:
+        raise UsageError(f"--fp8 with --tokens-per-sample {tokens_per_sample}: float8 GEMMs need each batch's "
+                         f"token count a multiple of {FLOAT8_GEMM_MULTIPLE}; use a multiple of it")
+
+
+def check_fp8_environment(args, cpu: bool) -> None:
+    """Refuse ``--fp8`` on a machine that cannot run it, before any work:
+    torchao's float8 training must import, and unless the test mode
+    (``FAIRSEQ_MEGATRON_FP8_EMULATE=1``, :mod:`fairseq_megatron.modules.float8`)
+    emulates it, the run needs a CUDA GPU with float8 matrix multiplies
+    (compute capability 8.9 or newer: Ada, Hopper, Blackwell). ``cpu``:
+    fairseq's ``--cpu``. fairseq-train's start calls it.
+
+    Raises:
+        UsageError: either case, in one line.
+    """
+    if not safe_getattr(args, "fp8", False):
+        return
+    from fairseq_megatron.modules.float8 import Float8Training, emulated
+
+    if not emulated():  # the device first: it needs no import of torchao
+        needs = ("--fp8 needs a GPU with float8 matrix multiplies (compute capability 8.9 or newer: Ada, Hopper, "
+                 "Blackwell)")
+        if cpu or not torch.cuda.is_available():
+            raise UsageError(f"{needs}; this run is on the CPU")
+        capability = torch.cuda.get_device_capability()
+        if capability < (8, 9):
+            raise UsageError(f"{needs}; {torch.cuda.get_device_name()} has {capability[0]}.{capability[1]}")
+    Float8Training.of_recipe(safe_getattr(args, "fp8_recipe", None) or "tensorwise", emulate=emulated())

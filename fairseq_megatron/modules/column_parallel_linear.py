@@ -4,8 +4,8 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from fairseq_megatron.modules import float8
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -43,7 +43,8 @@ class ColumnParallelLinear(KeepsParameterAttributes, nn.Module):
     on every rank with ``gather_output=True``.
 
     Mirrors Megatron-LM ``tensor_parallel/layers.py:ColumnParallelLinear`` and
-    fairscale ``nn/model_parallel/layers.py``.
+    fairscale ``nn/model_parallel/layers.py``. With ``--fp8`` training passes
+    compute the product in float8 (:mod:`fairseq_megatron.modules.float8`).
 
     Raises:
         ValueError: ``out_features`` is not divisible by the group size.
@@ -79,7 +80,7 @@ class ColumnParallelLinear(KeepsParameterAttributes, nn.Module):
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         """``x`` ``(*, in)`` replicated, or with ``sequence_parallel`` this rank's
         ``(T / N, *, in)`` sequence shard, all-gathered here to ``(T, *, in)``."""
-        y = F.linear(column_parallel_input(x, self.group, sequence_parallel), self.weight, self.bias)
+        y = float8.linear(self, column_parallel_input(x, self.group, sequence_parallel), self.weight, self.bias)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.group)
         return y

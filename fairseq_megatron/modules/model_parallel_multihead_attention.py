@@ -10,6 +10,7 @@ from torch import Tensor
 
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.errors import UsageError
+from fairseq_megatron.modules import float8
 from fairseq_megatron.modules.column_parallel_linear import ColumnParallelLinear, column_parallel_input
 from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
 from fairseq_megatron.modules.row_parallel_linear import RowParallelLinear
@@ -92,7 +93,7 @@ class ModelParallelMultiheadAttention(KeepsParameterAttributes, nn.Module):
         projections = (self.q_proj, self.k_proj, self.v_proj)
         weight = torch.cat([p.weight for p in projections])
         bias = torch.cat([p.bias for p in projections]) if self.q_proj.bias is not None else None
-        qkv = F.linear(x, weight, bias)
+        qkv = float8.linear(self, x, weight, bias)  # in float8 with --fp8 (modules/float8.py)
         return qkv.split(self.q_proj.out_features_per_partition, dim=-1)
 
     def _heads(self, x: Tensor) -> Tensor:

@@ -4,8 +4,8 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from fairseq_megatron.modules import float8
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -35,7 +35,9 @@ class RowParallelLinear(KeepsParameterAttributes, nn.Module):
     (the output of a :class:`ColumnParallelLinear`), else ``(*, in_features)``
     replicated and scattered here; output ``(*, out_features)`` replicated.
 
-    Mirrors Megatron-LM ``tensor_parallel/layers.py:RowParallelLinear``.
+    Mirrors Megatron-LM ``tensor_parallel/layers.py:RowParallelLinear``. With
+    ``--fp8`` training passes compute the product in float8
+    (:mod:`fairseq_megatron.modules.float8`).
 
     Raises:
         ValueError: ``in_features`` is not divisible by the group size.
@@ -76,8 +78,8 @@ class RowParallelLinear(KeepsParameterAttributes, nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.group)
         if self.in_features_per_partition == self.in_features and not sequence_parallel:
-            return F.linear(x, self.weight, self.bias)  # a group of one: nothing to reduce
-        y = F.linear(x, self.weight)
+            return float8.linear(self, x, self.weight, self.bias)  # a group of one: nothing to reduce
+        y = float8.linear(self, x, self.weight)
         bias = self.bias
         if sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)

@@ -58,7 +58,8 @@ def apply_fully_sharded(root: nn.Module, units: Iterable[nn.Module], mesh, resha
     which parameter replaced which, so that its draws fill the shards.
 
     Apply after compilation and activation checkpointing (FSDP2's hooks run
-    around each unit's call: a compiled layer stays one region)."""
+    around each unit's call: a compiled layer stays one region), and then
+    :func:`retag_parameters` of the model."""
     from torch.distributed.fsdp import fully_shard
 
     options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
@@ -72,7 +73,6 @@ def apply_fully_sharded(root: nn.Module, units: Iterable[nn.Module], mesh, resha
     if deferred is not None:
         for module, name, param in before:
             deferred.replaced(param, module._parameters[name])
-    retag_parameters(root)
     return root
 
 
@@ -100,3 +100,4 @@ def shard_model(model: nn.Module, roots: List[nn.Module], cfg) -> None:
                             reshard_after_forward=not distributed.no_reshard_after_forward,
                             mp_policy=mixed_precision_policy(cfg.common.fp16, distributed.fp32_reduce_scatter),
                             deferred=model.deferred_initialisation)
+    retag_parameters(model)

@@ -164,3 +164,91 @@ def test_a_failed_eval_lm_keeps_the_training_row_and_exits_1(tmp_path, capsys, m
     assert f"error: fairseq-eval-lm (megatron) failed, exit 1; log {log}:\nerror: the eval-lm stand-in fails" in err
     assert [row["label"] for row in benchmark.read_csv_rows(str(out_csv))] == ["trained"]
     assert not save_dir.exists()  # the checkpoint is removed whether or not eval-lm succeeded
+
+
+def test_the_record_of_a_run_holds_its_timed_window_and_losses(tmp_path, monkeypatch):
+    """``--record``: fairseq-train's output lines are stamped on the host
+    clock as they arrive (a line printed 0.2 s after another arrives that
+    much later), the timed window spans the last three log intervals (from
+    the line before the first of them to the last), and the losses are the
+    logged ones. The anchor's window ends at its result line and lasts its
+    30 timed steps; ``ANCHOR_*`` knobs show in its label, precision and
+    command."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import benchmark
+
+    child = "import time; print('a', flush=True); time.sleep(0.2); print('b', flush=True)"
+    rc, output, times = benchmark.run_with_line_times([sys.executable, "-c", child], dict(os.environ))
+    assert (rc, output) == (0, "a\nb\n") and times[1] - times[0] >= 0.15
+
+    def interval(update, loss, wps):
+        return (f'2026-11-27 10:00:00 | INFO | train_inner | {{"epoch": 1, "update": 0.0, "loss": "{loss}", '
+                f'"wps": "{wps}", "num_updates": "{update}"}}')
+
+    output = "\n".join(["begin training", interval(7, 9.9, 10), "a warning", interval(14, 9.5, 20),
+                        interval(21, 9.2, 30), interval(28, 9.0, 40)]) + "\n"
+    times = [100.0, 101.0, 101.5, 102.0, 103.0, 104.0]
+    assert benchmark.timed_window(output, times) == [101.5, 104.0]  # the warning before update 14's line
+    assert benchmark.logged_losses(output) == [[7, 9.9], [14, 9.5], [21, 9.2], [28, 9.0]]
+    assert benchmark.timed_window("\n".join(output.splitlines()[-3:]), times[-3:]) is None  # no line before
+
+    anchor = tmp_path / "anchor.py"
+    anchor.write_text("def bench(name, L, d, h, f, compile_=False, steps=7, B=8, T=1024):\n"
+                      "    assert compile_ and steps == 30, (compile_, steps)\n"
+                      "    print(f'{name} float8 rowwise compiled: 1M params, 2048.0 tokens/s, 0 TFLOP/s, "
+                      "peak mem 1.0 GiB')\n"
+                      "\nfor c in (False, True):\n    raise SystemExit('the loop over every shape ran')\n")
+    monkeypatch.setenv("ANCHOR_FLOAT8", "rowwise")
+    monkeypatch.setenv("ANCHOR_INIT", "torch")
+    args = benchmark.build_parser().parse_args(["--shape", "tiny", "--with-anchor", str(anchor), "--label", "x"])
+    row = benchmark.run_anchor(args, str(tmp_path), "CPU")
+    record = benchmark.run_record(row)
+    assert "_record" not in row and row["precision"] == record["precision"] == "fp8-rowwise"
+    assert row["label"] == "compiled minimal GPT tiny ANCHOR_INIT=torch ANCHOR_FLOAT8=rowwise x"
+    assert row["command"].startswith(f"ANCHOR_INIT=torch ANCHOR_FLOAT8=rowwise {anchor} ")
+    start, end = record["window"]
+    assert abs((end - start) - 30 * 4 * 64 / 2048.0) < 1e-9  # tiny: 4 x 64 tokens per step, at 2048 tokens/s
+
+
+def test_fp8_and_gpt2_initialisation_flags(tmp_path, monkeypatch, capsys):
+    """``--fp8 RECIPE`` reaches our fairseq-train command (not fairseq's
+    transformer_lm's) and the row's precision says it; without a GPU or the
+    test mode it is refused before anything runs. ``--init gpt2`` draws
+    what the GPU kit's minimal GPT draws: matrices normal(0, 0.02), the
+    residual projections 0.02 / sqrt(2 x 2 layers), biases zero, layer
+    norms untouched (the std of n normal draws is off by about
+    1 / sqrt(2n), 1% for these 4096 and more elements: 5% allows it)."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import benchmark
+    import torch
+
+    from tests.helpers import build_model
+
+    monkeypatch.delenv("FAIRSEQ_MEGATRON_FP8_EMULATE", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        benchmark.main(["--shape", "tiny", "--fp8", "rowwise", "--work-dir", str(tmp_path / "work")])
+    assert exited.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: --fp8 needs a GPU with float8 matrix multiplies (or the test mode FAIRSEQ_MEGATRON_FP8_EMULATE=1)")
+    assert not (tmp_path / "work").exists()
+    args = benchmark.build_parser().parse_args(["--shape", "tiny", "--fp8", "rowwise", "--precision", "bf16-autocast"])
+    shape = benchmark.resolved_shape(args)
+    ours = benchmark.train_command(args, "megatron", shape, "data", "result", use_cuda=True)
+    theirs = benchmark.train_command(args, "fairseq", shape, "data", "result", use_cuda=True)
+    assert " --fp8 --fp8-recipe rowwise " in " ".join(ours) and "--fp8" not in theirs
+    assert benchmark.precision_label(args, "megatron", True) == "fp8-rowwise"
+    assert benchmark.precision_label(args, "fairseq", True) == "fp16"  # its fastest GPU recipe, no float8
+    args.precision = "fp32"
+    monkeypatch.setenv("FAIRSEQ_MEGATRON_FP8_EMULATE", "1")
+    assert benchmark.precision_label(args, "megatron", False) == "fp8-rowwise/fp32-emulated"
+
+    model, _ = build_model(1, decoder_layers=2, decoder_embed_dim=64, decoder_ffn_embed_dim=256)
+    norms = {n: p.detach().clone() for n, p in model.named_parameters() if "layer_norm" in n}
+    benchmark.gpt2_initialisation_(model)
+    for name, p in model.named_parameters():
+        if name in norms:
+            assert torch.equal(p, norms[name]), name
+        elif name.endswith("bias"):
+            assert not p.any(), name
+        else:
+            expected = 0.02 / 2 if name.endswith(("out_proj.weight", "fc2.weight")) else 0.02
+            assert abs(p.std().item() / expected - 1) < 0.05 and abs(p.mean().item()) < expected / 10, name

@@ -216,10 +216,13 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         """fairseq's, for a model whose initialisation is deferred as well: a
         strict load fills every parameter (or raises), so the draws are
         dropped; before a non-strict one they run, as the parameters the
-        state dict lacks keep their initial values."""
+        state dict lacks keep their initial values. A parameter sharded over
+        data-parallel ranks (a ``DTensor``) takes this rank's piece of the
+        whole tensor the checkpoint holds."""
         self.materialize()
         if not strict:
             self.run_deferred_initialisation()
+        state_dict = sharded_like_the_parameters(self, state_dict)
         result = super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
         self.deferred_initialisation = None  # strict: every parameter was filled
         return result
@@ -234,6 +237,26 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         self.deferred_initialisation = None
         deferred.run()
         return True
+
+
+def sharded_like_the_parameters(model, state_dict):
+    """``state_dict`` with each whole tensor for a parameter that ``model``
+    holds sharded (a ``DTensor``, sharded data parallelism) replaced by a
+    ``DTensor`` of this rank's piece of it, so that torch's loading copies
+    shard into shard. Returns ``state_dict`` itself where nothing is sharded."""
+    sharded = {key: param for key, param in model.state_dict(keep_vars=True).items() if hasattr(param, "device_mesh")}
+    if not sharded:
+        return state_dict
+    from torch.distributed.tensor import DTensor
+
+    out = type(state_dict)(state_dict)
+    for key, param in sharded.items():
+        value = state_dict.get(key)
+        if torch.is_tensor(value) and not hasattr(value, "device_mesh"):
+            out[key] = DTensor.from_local(sharding.local_piece(param, value).to(param.device, param.dtype),
+                                          param.device_mesh, param.placements, shape=param.shape,
+                                          stride=param.stride(), run_check=False)
+    return out
 
 
 def _megatron_common(args, ffn_multiple: int) -> None:

@@ -45,22 +45,29 @@ def shard_of(full: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.
     return full.narrow(dim, rank * size, size).clone()
 
 
+def local_piece(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The piece of ``value`` (shaped like ``target``) that this rank holds of
+    ``target``: all of it, or for a ``DTensor`` (a parameter sharded over
+    data-parallel ranks) the piece its placements cut (``torch.chunk``),
+    without communication: every rank holds the whole ``value``."""
+    if not hasattr(target, "device_mesh"):
+        return value
+    mesh, piece = target.device_mesh, value
+    for mesh_dim, placement in enumerate(target.placements):
+        if placement.is_shard():
+            pieces = torch.chunk(piece, mesh.size(mesh_dim), dim=placement.dim)
+            index = mesh.get_local_rank(mesh_dim)
+            piece = pieces[index] if index < len(pieces) else piece.narrow(placement.dim, 0, 0)
+    return piece
+
+
 def fill_(target: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy ``value`` into ``target``; into a ``DTensor`` (a parameter sharded
-    over data-parallel ranks) this rank's piece of it, cut as the DTensor's
-    placements cut it (``torch.chunk``), without communication: every rank
-    holds the whole ``value``."""
+    """Copy this rank's piece of ``value`` into ``target`` (:func:`local_piece`)."""
     with torch.no_grad():
-        if not hasattr(target, "device_mesh"):
+        if hasattr(target, "device_mesh"):
+            target.to_local().copy_(local_piece(target, value))
+        else:
             target.copy_(value)
-            return
-        mesh, piece = target.device_mesh, value
-        for mesh_dim, placement in enumerate(target.placements):
-            if placement.is_shard():
-                pieces = torch.chunk(piece, mesh.size(mesh_dim), dim=placement.dim)
-                index = mesh.get_local_rank(mesh_dim)
-                piece = pieces[index] if index < len(pieces) else piece.narrow(placement.dim, 0, 0)
-        target.to_local().copy_(piece)
 
 
 class DeferredInitialisation:

@@ -69,7 +69,8 @@ def main(cfg, **kwargs):
     check_directory_can_be_made(cfg.checkpoint.save_dir, f"--save-dir {cfg.checkpoint.save_dir}")
     layout = parallel_state.get_parallel_layout()  # built from cfg at launch, its sizes checked there
     check_data_parallel_backend(cfg.distributed_training.ddp_backend, layout.tensor, cfg.common.cpu)
-    check_pipeline_data_parallel_backend(cfg.distributed_training.ddp_backend, layout.pipeline, layout.data)
+    check_pipeline_data_parallel_backend(cfg.distributed_training.ddp_backend, layout.pipeline, layout.data,
+                                         layout.context)
     check_training_precision(cfg.common)
     # fairseq's main makes --save-dir on the master rank only
     made = directories_missing(cfg.checkpoint.save_dir) if distributed_utils.is_master(

@@ -280,7 +280,8 @@ def check_context_parallel_options(args) -> None:
     Raises:
         UsageError: the first refusal, naming the option to change.
     """
-    context = int(safe_getattr(args, "context_parallel_size", 1) or 1)
+    context = safe_getattr(args, "context_parallel_size", None)
+    context = 1 if context is None else int(context)
     if context < 1:
         raise UsageError(f"--context-parallel-size {context}: the number of context-parallel ranks is at least 1")
     if context == 1:

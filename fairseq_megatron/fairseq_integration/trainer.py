@@ -246,11 +246,12 @@ class MegatronTrainer(Trainer):
         return parallel_state.get_data_parallel_rank(with_context_parallel=not self._sharding_data)
 
     @contextlib.contextmanager
-    def _reading_data_shards(self):
+    def _reading_data_shards(self, reading: bool = True):
         """Within this context the data-parallel size and rank are the data
         loader's: the ``D`` model copies (the ``C`` ranks of a sequence read
-        the same batches)."""
-        previous, self._sharding_data = self._sharding_data, True
+        the same batches); with ``reading=False``, those of the ranks that
+        average gradients again."""
+        previous, self._sharding_data = self._sharding_data, reading
         try:
             yield
         finally:
@@ -261,6 +262,15 @@ class MegatronTrainer(Trainer):
         """The number of shards the data loader splits the data into: ``D``."""
         with self._reading_data_shards():
             return self.data_parallel_world_size
+
+    @property
+    def use_distributed_wrapper(self) -> bool:
+        """fairseq's, for the ranks that average gradients, also while the data
+        loader is made: fairseq builds the wrapper there, and by the loader's
+        ``D = 1`` a run at ``C = 2`` would get none and never sum its
+        context-parallel ranks' gradients."""
+        with self._reading_data_shards(False):
+            return super().use_distributed_wrapper
 
     @property
     def checkpoint_suffix(self) -> str:

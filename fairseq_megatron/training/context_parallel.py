@@ -14,11 +14,15 @@ Parameters are not split by ``C``: every context-parallel rank holds the
 whole part of its tensor-parallel rank, and checkpoints do not depend on ``C``.
 """
 
+import logging
+
 import torch.nn as nn
 
 from fairseq_megatron.modules import ModelParallelMultiheadAttention
 from fairseq_megatron.parallel.context_parallel import ContextSplit
 from fairseq_megatron.parallel.parallel_state import RankGroup
+
+logger = logging.getLogger(__name__)
 
 
 def apply_context_parallel(model: nn.Module, group: RankGroup) -> None:
@@ -34,6 +38,9 @@ def apply_context_parallel(model: nn.Module, group: RankGroup) -> None:
     for module in decoder.modules():
         if isinstance(module, ModelParallelMultiheadAttention):
             module.context_parallel = group
+    chunks = 2 * group.size
+    logger.info(f"context parallelism: each sequence split over {group.size} ranks, this one holding chunks "
+                f"{group.rank} and {chunks - 1 - group.rank} of {chunks}")
 
 
 def count_own_share(sample: dict, split: ContextSplit, pad: int) -> dict:

@@ -420,7 +420,7 @@ def draw_png(path: str, lines: List[dict]) -> None:
                 axis.text(x, 0, "did not run", rotation=90, ha="center", va="bottom", fontsize=8)
         axis.set_ylabel(label)
         axis.tick_params(axis="x", rotation=45)
-    labels, bottoms, x = [], [], 0
+    labels, x = [], 0
     colors = {"parameters": "tab:blue", "gradients": "tab:green", "optimizer": "tab:purple",
               "activations": "tab:orange"}
     for line in lines:

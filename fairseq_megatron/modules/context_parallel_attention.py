@@ -25,7 +25,8 @@ from fairseq_megatron.parallel.context_parallel import gather_keys_and_values
 from fairseq_megatron.parallel.parallel_state import ProcessGroup
 
 
-def additive_mask(attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor], dtype) -> Optional[torch.Tensor]:
+def additive_mask(attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor],
+                  dtype) -> Optional[torch.Tensor]:
     """One additive mask broadcastable to ``(B, h, T_q, T_k)``, or None, from
     ``attn_mask`` ``(T_q, T_k)`` (bool, True = blocked, or additive) and
     ``key_padding_mask`` ``(B, T_k)`` (bool, True = padding). Blocked keys get

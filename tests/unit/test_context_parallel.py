@@ -146,3 +146,48 @@ def test_pipeline_with_context_ranks_needs_legacy_ddp():
         check_pipeline_data_parallel_backend("pytorch_ddp", 2, 1, 2)
     check_pipeline_data_parallel_backend("legacy_ddp", 2, 1, 2)
     check_pipeline_data_parallel_backend("pytorch_ddp", 1, 1, 2)
+
+
+def _attention_and_grads(q, k, v, blocked, dropout_p, seed, grad_out, ours: bool):
+    """Output and (q, k, v) gradients of attention drawn from ``seed``: ours
+    (a group of one: the keys as given), or SDPA's own on the same inputs.
+    The generator moves between forward and backward (``randn``)."""
+    import torch.nn.functional as F
+
+    from fairseq_megatron.modules.context_parallel_attention import attend_to_gathered_keys
+
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    torch.manual_seed(seed)
+    if ours:
+        out = attend_to_gathered_keys(q, k, v, blocked, None, None, heads=q.size(1), dropout_p=dropout_p)
+    else:
+        heads = [t.view(t.size(0), t.size(1), q.size(1), -1).permute(1, 2, 0, 3) for t in (k, v)]
+        additive = torch.zeros(blocked.shape).masked_fill(blocked, float("-inf"))
+        out = F.scaled_dot_product_attention(q, *heads, attn_mask=additive, dropout_p=dropout_p)
+    torch.randn(100)
+    out.backward(grad_out)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def test_attention_backward_recomputes_with_the_dropout_of_its_forward(monkeypatch):
+    """The attention over gathered keys keeps no probabilities: its backward
+    recomputes them, drawing the forward's dropout again. Against SDPA's own
+    backward on the same inputs and draws: the same output and gradients
+    (the same kernels on the same values: bitwise). Control: without
+    restoring the generator the recompute draws other units, and the
+    gradients differ."""
+    from fairseq_megatron.modules import context_parallel_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 8, 4, generator=g)  # (B, h, T, d)
+    k, v = torch.randn(8, 2, 12, generator=g), torch.randn(8, 2, 12, generator=g)  # (T, B, h x d)
+    grad_out = torch.randn(2, 3, 8, 4, generator=g)
+    blocked = torch.ones(8, 8, dtype=torch.bool).triu(1)
+    ours = _attention_and_grads(q, k, v, blocked, 0.3, 5, grad_out, ours=True)
+    reference = _attention_and_grads(q, k, v, blocked, 0.3, 5, grad_out, ours=False)
+    for a, b in zip(ours, reference):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    monkeypatch.setattr(context_parallel_attention, "_set_generator_state", lambda device, state: None)
+    unreplayed = _attention_and_grads(q, k, v, blocked, 0.3, 5, grad_out, ours=True)
+    torch.testing.assert_close(unreplayed[0], reference[0], rtol=0, atol=0)  # the forward is the same
+    assert not torch.allclose(unreplayed[1], reference[1], atol=1e-3)

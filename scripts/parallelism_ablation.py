@@ -18,7 +18,8 @@ fairseq-train's flags; fp32 on CPU, ``--bf16-autocast`` on GPUs), and
 reports per row:
 
 - ``iteration_ms``: the median time of one update (the first two are not
-  timed: the pipeline schedule infers its shapes, allocators warm up);
+  timed, nor is their memory counted: the pipeline schedule runs a forward
+  to infer its shapes, allocators warm up);
 - ``loss``: fairseq's training loss (base 2) of the last iteration;
 - per rank, in MiB: the parameters, gradients and optimizer state it holds
   (counted from its tensors), the most activation bytes autograd kept at
@@ -269,24 +270,27 @@ def _measure(rank, row, shape, cpu, iterations, seed, init_file) -> dict:
     task = tasks.setup_task(cfg.task)
     trainer = build_trainer(cfg, task, task.build_model(cfg.model), task.build_criterion(cfg.criterion))
     model = trainer.get_model()
-    saved = memory.SavedActivations(model)  # after the trainer moved the model to its device
     data_rank = parallel_state.get_data_parallel_rank()
-    times, loss = [], None
+    times, activations, loss = [], 0, None
     for iteration in range(iterations):
         samples = rank_samples(global_batch(iteration, shape, seed), row, shape, data_rank)
         _wait_for_all(cpu, row)
+        if iteration == UNTIMED and not cpu:
+            torch.cuda.reset_peak_memory_stats()  # measured, as the times, after the warm-up
+        saved = memory.SavedActivations(model)  # after the trainer moved the model to its device
         start = time.perf_counter()
         with saved:
             logged = trainer.train_step(samples)
         _wait_for_all(cpu, row)
-        if iteration >= UNTIMED:
+        if iteration >= UNTIMED:  # the first update of a pipeline also runs a forward to infer shapes
             times.append(time.perf_counter() - start)
+            activations = max(activations, saved.peak)
         loss = float(logged["loss"])
     parts = {
         "parameters": memory.parameter_bytes(model),
         "gradients": memory.gradient_bytes(model),
         "optimizer": memory.optimizer_state_bytes(_torch_optimizer(trainer.optimizer).state),
-        "activations": saved.peak,
+        "activations": activations,
     }
     peak = sum(parts.values()) if cpu else torch.cuda.max_memory_allocated()
     ran_at = {"world_size": dist.get_world_size() if dist.is_initialized() else 1,

@@ -270,12 +270,13 @@ def check_context_parallel_options(args) -> None:
 
     Each of the ``C`` ranks holds two of ``2C`` equal chunks of every
     sequence, so ``--tokens-per-sample`` must divide by ``2C`` (a shorter
-    batch is padded); the ranks read the same batches of contiguous blocks,
-    which ``--sample-break-mode none`` gives (others give batches of many
-    lengths, mostly padding once split); each rank computes the loss of its
-    own positions from its vocabulary shard with ``vocab_parallel_cross_entropy``,
-    which counts each sequence once over the ``C`` ranks. The training options
-    are checked where ``args`` holds them.
+    batch is padded); the ranks split blocks of that many tokens, which
+    ``--sample-break-mode none`` makes (the other modes make padded batches
+    of sentences, whose later chunks would hold mostly padding); each rank
+    computes the loss of its own positions from its vocabulary shard with
+    ``vocab_parallel_cross_entropy``, which counts each sequence once over
+    the ``C`` ranks. The training options are checked where ``args`` holds
+    them.
 
     Raises:
         UsageError: the first refusal, naming the option to change.

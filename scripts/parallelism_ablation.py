@@ -327,10 +327,15 @@ def run_layout(row: Layout, shape: Shape, cpu: bool, iterations: int, seed: int)
     refused = refusal(row, shape, cpu, seed)
     if refused is not None:
         return dict(line, status=f"refused: {refused}")
+    if cpu:  # ranks forked from a server that imported torch, fairseq and the plugin once (seconds per rank)
+        start_method = "forkserver"
+        mp.set_forkserver_preload(["fairseq_megatron.fairseq_integration.trainer"])
+    else:
+        start_method = "spawn"  # CUDA must not have been touched in a forked process
     with tempfile.TemporaryDirectory(prefix="ablation-") as tmp:
         try:
             mp.start_processes(_train_rank, args=(row, shape, cpu, iterations, seed, os.path.join(tmp, "init"), tmp),
-                               nprocs=row.world_size, join=True, start_method="spawn")
+                               nprocs=row.world_size, join=True, start_method=start_method)
         except Exception as e:  # a rank failed: its own error line, if it wrote one
             errors = [_read(tmp, r).get("error") for r in range(row.world_size)]
             message = next((m for m in errors if m), str(e).strip().splitlines()[-1])

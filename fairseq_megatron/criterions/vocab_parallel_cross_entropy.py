@@ -17,7 +17,10 @@ class VocabParallelCrossEntropyCriterion(CrossEntropyCriterion):
     targets are ignored. Mirrors fairseq's
     ``model_parallel/criterions/vocab_parallel_cross_entropy.py``.
     Works with any model whose forward accepts ``gather_logits=False``
-    (``model_parallel_transformer_lm``).
+    (``model_parallel_transformer_lm``). Sentences are counted from the
+    sample's ``nsentences`` (fairseq's criterion counts the target's rows):
+    under context parallelism the ranks of a sequence share its rows, and
+    their trainer counts each row on one of them.
     """
 
     def compute_loss(self, model, net_output, sample, reduce=True):
@@ -33,11 +36,12 @@ class VocabParallelCrossEntropyCriterion(CrossEntropyCriterion):
     def forward(self, model, sample, reduce=True):
         net_output = model(**sample["net_input"], gather_logits=False)
         loss, _ = self.compute_loss(model, net_output, sample, reduce=reduce)
-        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
+        sentences = sample.get("nsentences", sample["target"].size(0))
+        sample_size = sentences if self.sentence_avg else sample["ntokens"]
         logging_output = {
             "loss": loss.data,
             "ntokens": sample["ntokens"],
-            "nsentences": sample["target"].size(0),
+            "nsentences": sentences,
             "sample_size": sample_size,
         }
         return loss, sample_size, logging_output

@@ -41,6 +41,12 @@ What it does differently from fairseq's trainer, and why:
   are the schedule's; the data-parallel group and size are this package's
   (fairseq knows only the tensor-parallel size, and would take the other
   stages for model copies); each stage's files are ``-model_part-K-stage-S``.
+- Context parallelism (``--context-parallel-size C``): the ``C`` ranks of
+  a sequence read the same batches (the data loader shards over the ``D``
+  model copies), each counts the tokens of its own positions
+  (:func:`fairseq_megatron.training.context_parallel.count_own_share`), and
+  gradients, sample sizes and logging outputs are summed over the ``D x C``
+  ranks (Megatron-Core's data-and-context-parallel group).
 - Initial weights are drawn only if no checkpoint fills them
   (:class:`fairseq_megatron.modules.sharding.DeferredInitialisation`).
 - Data-parallel wrapping on CPU (fairseq passed a GPU device id to torch's
@@ -72,6 +78,7 @@ from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.parallel.grad_norm import model_parallel_norm_aggregator
 from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
 from fairseq_megatron.modules.padding import mark_padding
+from fairseq_megatron.training.context_parallel import count_own_share
 from fairseq_megatron.training.fully_sharded import shard_model
 from fairseq_megatron.training.fused_adam import FairseqFusedAdam, fused_adam_applies
 from fairseq_megatron.training.memory import log_memory_report
@@ -203,6 +210,8 @@ class MegatronTrainer(Trainer):
     def __init__(self, cfg, task, model, criterion, quantizer=None):
         stage = PipelineStageLayout.of(cfg.model)  # this rank's stage of the layout
         parallelize(model, cfg.model, stage)
+        self.context_split = model.decoder.context_split  # None, or how this rank's C ranks split sequences
+        self._sharding_data = False  # True while the data loader is made: its shards are the D model copies'
         if cfg.ema.store_ema:  # fairseq's EMA copies the model in the constructor, before any load
             model.run_deferred_initialisation()
         # before fairseq's constructor, which reads the data-parallel size
@@ -236,24 +245,58 @@ class MegatronTrainer(Trainer):
     # ------------------------------------------------------------ groups
 
     @property
+    def _layout_groups(self) -> bool:
+        """Whether the data-parallel groups are this package's own, not fairseq's."""
+        return self.pipeline is not None or self.context_split is not None
+
+    @property
     def data_parallel_world_size(self):
-        """fairseq's, except with pipeline stages: fairseq knows only the
-        tensor-parallel size, and took the other stages for model copies."""
-        if self.pipeline is None:
+        """fairseq's, except with pipeline stages (fairseq knows only the
+        tensor-parallel size, and took the other stages for model copies) and
+        context parallelism: the ``D x C`` ranks whose gradients are
+        averaged, or ``D`` while the data loader is made (:meth:`data_shards`)."""
+        if not self._layout_groups:
             return super().data_parallel_world_size
-        return parallel_state.get_data_parallel_world_size()
+        return parallel_state.get_data_parallel_world_size(with_context_parallel=not self._sharding_data)
 
     @property
     def data_parallel_process_group(self):
-        if self.pipeline is None:
+        if not self._layout_groups:
             return super().data_parallel_process_group
-        return parallel_state.get_data_parallel_group()
+        return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
     @property
     def data_parallel_rank(self):
-        if self.pipeline is None:
+        if not self._layout_groups:
             return super().data_parallel_rank
-        return parallel_state.get_data_parallel_rank()
+        return parallel_state.get_data_parallel_rank(with_context_parallel=not self._sharding_data)
+
+    @contextlib.contextmanager
+    def _reading_data_shards(self, reading: bool = True):
+        """Within this context the data-parallel size and rank are the data
+        loader's: the ``D`` model copies (the ``C`` ranks of a sequence read
+        the same batches); with ``reading=False``, those of the ranks that
+        average gradients again."""
+        previous, self._sharding_data = self._sharding_data, reading
+        try:
+            yield
+        finally:
+            self._sharding_data = previous
+
+    @property
+    def data_shards(self) -> int:
+        """The number of shards the data loader splits the data into: ``D``."""
+        with self._reading_data_shards():
+            return self.data_parallel_world_size
+
+    @property
+    def use_distributed_wrapper(self) -> bool:
+        """fairseq's, for the ranks that average gradients, also while the data
+        loader is made: fairseq builds the wrapper there, and by the loader's
+        ``D = 1`` a run at ``C = 2`` would get none and never sum its
+        context-parallel ranks' gradients."""
+        with self._reading_data_shards(False):
+            return super().use_distributed_wrapper
 
     @property
     def checkpoint_suffix(self) -> str:
@@ -307,7 +350,12 @@ class MegatronTrainer(Trainer):
 
     def _prepare_sample(self, sample, is_dummy=False):
         """fairseq's, which also records on the device copy of the tokens
-        whether they hold padding, tested on the CPU copy (no device wait)."""
+        whether they hold padding, tested on the CPU copy (no device wait);
+        with context parallelism the sample's sizes are this rank's
+        (:func:`~fairseq_megatron.training.context_parallel.count_own_share`,
+        on the CPU copy)."""
+        if self.context_split is not None and isinstance(sample, dict) and "target" in sample:
+            sample = count_own_share(sample, self.context_split, self.get_model().decoder.padding_idx)
         tokens = _source_tokens(sample)
         dictionary = getattr(self.task, "source_dictionary", None)
         if tokens is None or tokens.device.type != "cpu" or dictionary is None:
@@ -395,8 +443,13 @@ class MegatronTrainer(Trainer):
         """fairseq's; the task batches the training data as fairseq does
         (evaluation keeps a last batch fairseq drops)."""
         training_batches = getattr(self.task, "training_batches", contextlib.nullcontext)  # our task's
-        with training_batches():
+        with training_batches(), self._reading_data_shards():
             return super().get_train_iterator(*args, **kwargs)
+
+    def get_valid_iterator(self, *args, **kwargs):
+        """fairseq's, sharded over the model copies (:meth:`data_shards`)."""
+        with self._reading_data_shards():
+            return super().get_valid_iterator(*args, **kwargs)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -413,7 +466,7 @@ class MegatronTrainer(Trainer):
         if suffix and filename.endswith(".pt") and not filename.endswith(suffix + ".pt"):
             filename = filename[: -len(".pt")] + suffix + ".pt"
         extra_state["rng_tracker_states"] = get_rng_tracker().get_states()
-        extra_state["data_parallel_world_size"] = self.data_parallel_world_size
+        extra_state["data_parallel_world_size"] = self.data_shards
         try:
             return super().save_checkpoint(filename, extra_state)
         except (OSError, RuntimeError) as e:
@@ -449,7 +502,7 @@ class MegatronTrainer(Trainer):
             checkpoint.load_checkpoint_on_all_dp_ranks = on_all_ranks
         if extra_state is not None and "rng_tracker_states" in extra_state:
             get_rng_tracker().set_states(extra_state["rng_tracker_states"])
-        _continue_the_epoch(extra_state, self.data_parallel_world_size)
+        _continue_the_epoch(extra_state, self.data_shards)
         if model.run_deferred_initialisation():
             logger.info("no checkpoint to load: drew the initial weights (deferred from the build)")
         elif deferred:

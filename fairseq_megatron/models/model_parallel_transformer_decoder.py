@@ -29,7 +29,7 @@ from fairseq_megatron.modules import sharding
 from fairseq_megatron.modules.forward_wrappers import rewrap
 from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
 from fairseq_megatron.parallel import parallel_state
-from fairseq_megatron.modules.padding import has_padding
+from fairseq_megatron.modules.padding import has_padding, mark_padding
 
 
 class ModelParallelTransformerDecoder(KeepsParameterAttributes, TransformerDecoder):
@@ -47,7 +47,19 @@ class ModelParallelTransformerDecoder(KeepsParameterAttributes, TransformerDecod
     ``tensor_parallel``: the group its layers split over (default: this
     rank's; a :class:`~fairseq_megatron.parallel.parallel_state.RankGroup`
     builds rank ``k`` of ``T`` without process groups).
+
+    Context parallelism (:attr:`context_split`, which training sets where
+    ``--context-parallel-size`` C > 1): passes without an incremental state
+    embed the whole sequence, padded to a multiple of ``2C``, and keep this
+    rank's ``T / C`` positions (:meth:`embed`); the layers run on them, with
+    a mask by global position (:meth:`buffered_future_mask`), and the output
+    holds their logits ``(B, T / C, V)``, whose targets are
+    :meth:`local_targets`.
     """
+
+    context_split = None
+    """How the context-parallel ranks split a sequence
+    (:class:`~fairseq_megatron.parallel.context_parallel.ContextSplit`), or None."""
 
     def __init__(self, args, dictionary, embed_tokens, tensor_parallel=parallel_state.DEFAULT_GROUP):
         self.tensor_parallel = parallel_state.resolve_tensor_parallel(tensor_parallel)
@@ -133,7 +145,19 @@ class ModelParallelTransformerDecoder(KeepsParameterAttributes, TransformerDecod
         """Tokens ``(B, T)`` -> the first layer's input ``(T, B, C)`` (scaled
         token embeddings plus positions, dropout applied) and the key padding
         mask ``(B, T)`` (None where the batch holds no padding). With an
-        incremental state, the last position only (``T = 1``)."""
+        incremental state, the last position only (``T = 1``).
+
+        With context parallelism (no incremental state): the tokens are
+        padded to ``T'``, a multiple of ``2C``, embedded whole (fairseq's
+        positions number the tokens they are given), and this rank's
+        ``(T' / C, B, C)`` positions are returned, with the padding mask
+        ``(B, T')`` in the order of the gathered keys."""
+        split = self.context_split if incremental_state is None else None
+        if split is not None:
+            padded = split.pad(prev_output_tokens, self.padding_idx)
+            if padded is not prev_output_tokens:
+                mark_padding(padded, self.padding_idx, True)
+            prev_output_tokens = padded
         positions = None
         if self.embed_positions is not None:
             positions = self.embed_positions(prev_output_tokens, incremental_state=incremental_state)
@@ -153,7 +177,30 @@ class ModelParallelTransformerDecoder(KeepsParameterAttributes, TransformerDecod
         padding_mask = None
         if has_padding(prev_output_tokens, self.padding_idx):  # read on the host when fairseq-train marked it
             padding_mask = prev_output_tokens.eq(self.padding_idx)
-        return x.transpose(0, 1), padding_mask
+        x = x.transpose(0, 1)
+        if split is not None:
+            x = split.keep(x, 0)
+            padding_mask = None if padding_mask is None else split.in_key_order(padding_mask, 1)
+        return x, padding_mask
+
+    def buffered_future_mask(self, tensor):
+        """fairseq's future mask ``(T, T)`` for ``tensor`` ``(T, B, C)``
+        (additive); with context parallelism ``tensor`` holds this rank's
+        ``T / C`` positions and the mask is ``(T / C, T)`` over the gathered
+        keys by global position, bool, True = blocked
+        (:meth:`~fairseq_megatron.parallel.context_parallel.ContextSplit.causal_mask`)."""
+        if self.context_split is None:
+            return super().buffered_future_mask(tensor)
+        return self.context_split.causal_mask(tensor.size(0), tensor.device)
+
+    def local_targets(self, target):
+        """The targets of this rank's output positions: ``target`` ``(B, T)``,
+        or with context parallelism its positions of the padded ``(B, T')``,
+        ``(B, T' / C)``, as :meth:`embed` keeps them."""
+        split = self.context_split
+        if split is None:
+            return target
+        return split.keep(split.pad(target, self.padding_idx), 1)
 
     def uses_sequence_parallel(self, x, incremental_state) -> bool:
         """Sequence parallelism runs in training passes whose length T divides

@@ -118,6 +118,16 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
                  "checkpoints keep the global layer numbers, so they load at any P and V",
         )
         parser.add_argument(
+            "--context-parallel-size", type=int, metavar="C", default=1,
+            help="split each sequence over C ranks along time (Megatron-LM's context parallelism; rank i "
+                 "holds chunks i and 2C-1-i of 2C, for causal load balancing); attention all-gathers the "
+                 "keys and values within the C ranks. The world size is a multiple of T x C x P; the C "
+                 "ranks read the same batches (--batch-size counts whole sequences per model copy) and "
+                 "their gradients are averaged with the data-parallel ones. Needs --tokens-per-sample "
+                 "divisible by 2C, --sample-break-mode none and the vocab_parallel_cross_entropy "
+                 "criterion. Checkpoints do not depend on C; evaluation and generation run at C = 1",
+        )
+        parser.add_argument(
             "--padded-vocab-size", type=int, metavar="N",
             help="rows of the vocab-parallel embedding and softmax: the dictionary padded with "
                  "madeupword symbols (default: its size rounded up to a multiple of 8 x the "
@@ -199,6 +209,12 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
     @classmethod
     def build_embedding(cls, args, dictionary, embed_dim, path=None):
         return VocabParallelEmbedding(len(dictionary), embed_dim, dictionary.pad())
+
+    def get_targets(self, sample, net_output):
+        """fairseq's (``sample["target"]``, ``(B, T)``); under context
+        parallelism the targets of this rank's output positions, ``(B, T' / C)``
+        (:meth:`~fairseq_megatron.models.model_parallel_transformer_decoder.ModelParallelTransformerDecoder.local_targets`)."""
+        return self.decoder.local_targets(sample["target"])
 
     # The draws left out of this model's build (see build_model); None once
     # they ran or a checkpoint made them needless.

@@ -133,23 +133,30 @@ def check_fully_sharded(distributed, common, ema, model) -> None:
                          f"or use --ddp-backend pytorch_ddp")
 
 
-def check_pipeline_data_parallel_backend(ddp_backend: str, stages: int, data_parallel_size: int) -> None:
+def check_pipeline_data_parallel_backend(ddp_backend: str, stages: int, data_parallel_size: int,
+                                         context_parallel_size: int = 1) -> None:
     """Refuse a data-parallel wrapper that cannot wrap a pipeline stage.
 
     torch's pipeline schedule calls the stage's module itself, not the
     wrapper, so torch's DDP (``pytorch_ddp``, ``c10d``) would never reduce
     the gradients; fairseq's ``legacy_ddp`` (``no_c10d``) all-reduces them
     once after the backward pass, when the trainer asks, and works, and so
-    does ``fully_sharded`` (the stage's module is the root FSDP unit, which
-    torch's schedule knows).
+    does ``fully_sharded`` (each model chunk is a root FSDP unit, which
+    torch's schedule drives). The gradients are averaged over the model
+    copies and their context-parallel ranks (``data_parallel_size x
+    context_parallel_size``).
 
     Raises:
-        UsageError: pipeline stages, more than one model copy, and a
-            backend other than ``legacy_ddp``/``no_c10d``.
+        UsageError: pipeline stages, more than one rank to average
+            gradients over, and a backend other than ``legacy_ddp``/``no_c10d``/``fully_sharded``.
     """
-    if stages > 1 and data_parallel_size > 1 and ddp_backend not in ("legacy_ddp", "no_c10d", "fully_sharded"):
+    if (stages > 1 and data_parallel_size * context_parallel_size > 1
+            and ddp_backend not in ("legacy_ddp", "no_c10d", "fully_sharded")):
+        ranks = f"{data_parallel_size} model cop{'y' if data_parallel_size == 1 else 'ies'}"
+        if context_parallel_size > 1:
+            ranks += f" x --context-parallel-size {context_parallel_size}"
         raise UsageError(f"--ddp-backend {ddp_backend} with --pipeline-model-parallel-size {stages} and "
-                         f"{data_parallel_size} model copies: the pipeline schedule runs each stage outside "
+                         f"{ranks}: the pipeline schedule runs each stage outside "
                          f"torch's DDP; use --ddp-backend legacy_ddp or fully_sharded")
 
 
@@ -227,6 +234,7 @@ def check_options(args, model_parallel_size: int) -> None:
         )
     check_pipeline_options(args)
     check_fp8_options(args, model_parallel_size)
+    check_context_parallel_options(args)
     check_implemented(args)
 
 
@@ -255,6 +263,43 @@ def check_implemented(args) -> None:
         raise NotImplementedError(
             "character embeddings, adaptive input and adaptive softmax are not model parallel"
         )
+
+
+def check_context_parallel_options(args) -> None:
+    """Refuse context parallelism that cannot split the sequences, from the options alone.
+
+    Each of the ``C`` ranks holds two of ``2C`` equal chunks of every
+    sequence, so ``--tokens-per-sample`` must divide by ``2C`` (a shorter
+    batch is padded); the ranks split blocks of that many tokens, which
+    ``--sample-break-mode none`` makes (the other modes make padded batches
+    of sentences, whose later chunks would hold mostly padding); each rank
+    computes the loss of its own positions from its vocabulary shard with
+    ``vocab_parallel_cross_entropy``, which counts each sequence once over
+    the ``C`` ranks. The training options are checked where ``args`` holds
+    them.
+
+    Raises:
+        UsageError: the first refusal, naming the option to change.
+    """
+    context = safe_getattr(args, "context_parallel_size", None)
+    context = 1 if context is None else int(context)
+    if context < 1:
+        raise UsageError(f"--context-parallel-size {context}: the number of context-parallel ranks is at least 1")
+    if context == 1:
+        return
+    length = safe_getattr(args, "tokens_per_sample", None)
+    if length is not None and length % (2 * context):
+        raise UsageError(f"--tokens-per-sample {length} is not divisible by 2 x --context-parallel-size {context} "
+                         f"= {2 * context}: each of the {context} ranks holds 2 of {2 * context} equal chunks "
+                         f"of a sequence")
+    break_mode = safe_getattr(args, "sample_break_mode", None)
+    if break_mode is not None and break_mode != "none":
+        raise UsageError(f"--sample-break-mode {break_mode} with --context-parallel-size {context}: the ranks split "
+                         f"blocks of --tokens-per-sample tokens; use --sample-break-mode none")
+    criterion = safe_getattr(args, "criterion", None)
+    if criterion is not None and criterion != "vocab_parallel_cross_entropy":
+        raise UsageError(f"--criterion {criterion} with --context-parallel-size {context}: each rank computes the "
+                         f"loss of its own positions; use --criterion vocab_parallel_cross_entropy")
 
 
 def check_pipeline_options(args) -> None:

@@ -15,6 +15,7 @@ from fairseq_megatron.modules.column_parallel_linear import ColumnParallelLinear
 from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
 from fairseq_megatron.modules.row_parallel_linear import RowParallelLinear
 from fairseq_megatron.modules.sharding import divide
+from fairseq_megatron.modules.context_parallel_attention import attend_to_gathered_keys
 from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
 
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
@@ -48,6 +49,14 @@ class ModelParallelMultiheadAttention(KeepsParameterAttributes, nn.Module):
     Incremental decoding keeps, per layer and rank, keys and values of the
     local heads, ``(B, H/N, T_past, D)``, in ``incremental_state``.
 
+    Context parallelism (:attr:`context_parallel` of ``C`` ranks, set by
+    :func:`~fairseq_megatron.training.context_parallel.apply_context_parallel`):
+    ``x`` holds this rank's ``T / C`` positions, whose queries attend to the
+    keys and values of all ``T``, all-gathered within the group
+    (:func:`~fairseq_megatron.modules.context_parallel_attention.attend_to_gathered_keys`);
+    ``attn_mask`` ``(T / C, T)`` and ``key_padding_mask`` ``(B, T)`` follow
+    the gathered keys' order. Not in incremental decoding.
+
     Raises:
         UsageError (a ValueError): ``embed_dim`` not divisible by
             ``num_heads``, or ``num_heads`` not divisible by the model-parallel size.
@@ -77,6 +86,10 @@ class ModelParallelMultiheadAttention(KeepsParameterAttributes, nn.Module):
         self.v_proj = ColumnParallelLinear(embed_dim, embed_dim, bias=bias, group=self.tensor_parallel)
         self.q_proj = ColumnParallelLinear(embed_dim, embed_dim, bias=bias, group=self.tensor_parallel)
         self.out_proj = RowParallelLinear(embed_dim, embed_dim, bias=bias, group=self.tensor_parallel)
+
+    context_parallel = parallel_state.RankGroup()
+    """The ranks that split the sequence (context parallelism): a group of
+    one, or set on the module by training's ``apply_context_parallel``."""
 
     def _project_qkv(self, x: Tensor, sequence_parallel: bool = False):
         """Queries, keys and values of the local heads with one GEMM.
@@ -109,7 +122,11 @@ class ModelParallelMultiheadAttention(KeepsParameterAttributes, nn.Module):
         is_causal: bool = False,
         sequence_parallel: bool = False,
     ) -> Tensor:
-        q, k, v = (self._heads(y) for y in self._project_qkv(x, sequence_parallel))
+        q, k, v = self._project_qkv(x, sequence_parallel)
+        if self.context_parallel.size > 1 and incremental_state is None:
+            out = self._context_parallel_attention(q, k, v, attn_mask, key_padding_mask)
+            return self.out_proj(out, sequence_parallel=sequence_parallel)
+        q, k, v = self._heads(q), self._heads(k), self._heads(v)
         bsz, tgt_len = q.size(0), q.size(2)
 
         if incremental_state is not None:
@@ -145,6 +162,22 @@ class ModelParallelMultiheadAttention(KeepsParameterAttributes, nn.Module):
 
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.num_heads_partition * self.head_dim)
         return self.out_proj(out, sequence_parallel=sequence_parallel)  # (T, B, C) or (T / N, B, C)
+
+    def _context_parallel_attention(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+                                    key_padding_mask: Optional[Tensor]) -> Tensor:
+        """This rank's ``T / C`` queries over the keys and values of all ``T``
+        positions of the context-parallel group: ``(T / C, B, C / N)`` each ->
+        ``(T / C, B, C / N)``. Masks as in :meth:`forward`."""
+        tgt_len, bsz, _ = q.shape
+        dropout_p = self.dropout_p if self.training else 0.0
+        inputs = (self._heads(q), k, v, attn_mask, key_padding_mask, self.context_parallel.group,
+                  self.num_heads_partition)
+        if dropout_p > 0:  # dropout on the local heads draws from this rank's stream
+            with get_rng_tracker().fork(q.device):
+                out = attend_to_gathered_keys(*inputs, dropout_p)
+        else:
+            out = attend_to_gathered_keys(*inputs)
+        return out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.num_heads_partition * self.head_dim)
 
     def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: Tensor):
         """Select batch rows of the key/value cache (beam search)."""

@@ -11,6 +11,9 @@ group this package uses, on torch's ``DeviceMesh`` with dimensions
 * tensor-parallel: the ``T`` ranks of one stage of one model copy;
 * context-parallel: the ``C`` ranks that split one sequence;
 * data-parallel: the ``D`` ranks holding the same part of the same stage;
+* data-and-context-parallel: the ``D x C`` ranks whose gradients are
+  averaged together (the mesh's ``dp`` and ``cp`` dimensions flattened;
+  Megatron-Core's ``get_data_parallel_group(with_context_parallel=True)``);
 * pipeline-parallel: the same tensor part of each stage of one model copy, stage order;
 * model-parallel: the ``T x P`` ranks whose part files make one checkpoint
   (the mesh's ``pp`` and ``tp`` dimensions flattened);
@@ -87,6 +90,7 @@ class ProcessGroups:
     model: RankGroup
     embedding: RankGroup
     pipeline_ranks: tuple  # global ranks of this rank's pipeline group, stage order
+    data_context: RankGroup = RankGroup()  # the data-parallel ranks of every context shard: D x C ranks
 
 
 _SINGLE_PROCESS = ProcessGroups(ParallelLayout(1), Coordinates(0, 0, 0, 0), None, *([RankGroup()] * 6), (0,))
@@ -128,17 +132,20 @@ def _build(layout: ParallelLayout) -> ProcessGroups:
         return RankGroup(sub_mesh.size(), sub_mesh.get_local_rank(), sub_mesh.get_group())
 
     pipeline = dimension(mesh["pp"])
+    data = dimension(mesh["dp"])
+    data_context = dimension(mesh["dp", "cp"]._flatten("dp_cp")) if layout.context > 1 else data
     return ProcessGroups(
         layout=layout,
         coordinates=layout.coordinates(me),
         mesh=mesh,
         tensor=dimension(mesh["tp"]),
         context=dimension(mesh["cp"]),
-        data=dimension(mesh["dp"]),
+        data=data,
         pipeline=pipeline,
         model=dimension(model_mesh),
         embedding=RankGroup.of(embedding),
         pipeline_ranks=tuple(dist.get_process_group_ranks(pipeline.group)),
+        data_context=data_context,
     )
 
 
@@ -268,9 +275,19 @@ def get_tensor_model_parallel_group() -> ProcessGroup:
     return _current().tensor.group
 
 
+def get_context_parallel() -> RankGroup:
+    """This rank's context-parallel group, with its size C and this rank's index."""
+    return _current().context
+
+
 def get_context_parallel_group() -> ProcessGroup:
     """The ranks that split this rank's sequences (``None`` in a single process)."""
     return _current().context.group
+
+
+def get_context_parallel_rank() -> int:
+    """This rank's index in its context-parallel group, 0..C-1: which chunks of each sequence it holds."""
+    return _current().context.rank
 
 
 def get_pipeline_model_parallel_group() -> ProcessGroup:
@@ -288,10 +305,17 @@ def get_embedding_group() -> ProcessGroup:
     return _current().embedding.group
 
 
-def get_data_parallel_group() -> ProcessGroup:
+def _data(with_context_parallel: bool) -> RankGroup:
+    return _state.data_context if with_context_parallel else _state.data
+
+
+def get_data_parallel_group(with_context_parallel: bool = False) -> ProcessGroup:
     """The data-parallel group of this rank (``None``: the default group, or a
-    single process; fairseq then uses its global group)."""
-    return _state.data.group if _state is not None else None
+    single process; fairseq then uses its global group). With
+    ``with_context_parallel``, the ``D x C`` ranks of every context shard of
+    the data-parallel copies (Megatron-Core's argument): the group over which
+    gradients are averaged."""
+    return _data(with_context_parallel).group if _state is not None else None
 
 
 def world_size(group: ProcessGroup) -> int:
@@ -319,18 +343,20 @@ def get_context_parallel_world_size() -> int:
     return _current().context.size
 
 
-def get_data_parallel_world_size() -> int:
-    """Number of model copies (1 in a single process)."""
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    """Number of model copies (1 in a single process); ``D x C`` with
+    ``with_context_parallel``."""
     if _state is None:
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return _state.data.size
+    return _data(with_context_parallel).size
 
 
-def get_data_parallel_rank() -> int:
-    """Which model copy this rank belongs to: the data shard it reads."""
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    """Which model copy this rank belongs to: the data shard it reads; with
+    ``with_context_parallel``, its index among the ``D x C`` ranks."""
     if _state is None:
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    return _state.data.rank
+    return _data(with_context_parallel).rank
 
 
 def get_pipeline_model_parallel_world_size() -> int:

@@ -86,7 +86,8 @@ def retag_parameters(module: nn.Module) -> None:
 
 def shard_model(model: nn.Module, roots: List[nn.Module], cfg) -> None:
     """Apply :func:`apply_fully_sharded` for fairseq-train's configuration
-    ``cfg``: over the layout's ``dp`` mesh, each decoder layer of ``model``
+    ``cfg``: over the layout's ``dp`` mesh (with context parallelism the
+    ``dp`` and ``cp`` dimensions flattened), each decoder layer of ``model``
     one unit, each of ``roots`` (``[model]``, or the modules of a pipeline
     stage's model chunks, each holding its layers) the rest;
     ``--no-reshard-after-forward``, ``--fp16`` and ``--fp32-reduce-scatter``
@@ -95,8 +96,11 @@ def shard_model(model: nn.Module, roots: List[nn.Module], cfg) -> None:
 
     distributed = cfg.distributed_training
     layers = set(model.decoder.held_layers())
+    # Megatron's data-and-context group: the context-parallel ranks average their gradients with the data-parallel ones
+    mesh = parallel_state.get_device_mesh()
+    mesh = mesh["dp_cp"] if parallel_state.get_context_parallel_world_size() > 1 else mesh["dp"]
     for root in roots:
-        apply_fully_sharded(root, [m for m in root.modules() if m in layers], parallel_state.get_device_mesh()["dp"],
+        apply_fully_sharded(root, [m for m in root.modules() if m in layers], mesh,
                             reshard_after_forward=not distributed.no_reshard_after_forward,
                             mp_policy=mixed_precision_policy(cfg.common.fp16, distributed.fp32_reduce_scatter),
                             deferred=model.deferred_initialisation)

@@ -12,7 +12,9 @@ here tensor and sequence parallelism are the layers' own, and
    compiled layer stack, and CUDA graphs (:mod:`.compile`);
 3. activation checkpointing and offload (:mod:`.activation_checkpointing`),
    after compilation so that the recompute replays the compiled forward;
-4. bf16 autocast (:mod:`.autocast`).
+4. bf16 autocast (:mod:`.autocast`);
+5. context parallelism where this rank's context-parallel group has more
+   than one rank (:mod:`.context_parallel`).
 
 ``MegatronTrainer`` calls it before fairseq's trainer moves the model to its
 device; evaluation and generation run the model as built.
@@ -22,9 +24,11 @@ import torch.nn as nn
 from fairseq.utils import safe_getattr
 
 from fairseq_megatron.models.pipeline_stage import PipelineStageLayout
+from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.training.activation_checkpointing import apply_activation_checkpointing
 from fairseq_megatron.training.autocast import apply_bf16_autocast
 from fairseq_megatron.training.compile import apply_compile, raise_cuda_graphs_need_the_stack
+from fairseq_megatron.training.context_parallel import apply_context_parallel
 from fairseq_megatron.training.float8 import apply_float8
 from fairseq_megatron.training.pipeline_split import split_for_stage
 
@@ -56,3 +60,6 @@ def parallelize(model: nn.Module, args, stage: PipelineStageLayout = None) -> No
         apply_activation_checkpointing(decoder, offload_to_cpu=offload)
     if safe_getattr(args, "bf16_autocast", False):
         apply_bf16_autocast(decoder)
+    context = parallel_state.get_context_parallel()
+    if context.size > 1:
+        apply_context_parallel(model, context)

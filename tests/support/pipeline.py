@@ -47,17 +47,17 @@ def epoch(updates: int, micro_batches: int, data_parallel_rank: int = 0) -> list
     return out
 
 
-def build(tensor: int, stages: int, micro_batches: int, layers: int, extra=()):
+def build(tensor: int, stages: int, micro_batches: int, layers: int, extra=(), context: int = 1):
     """Our trainer for a ``layers`` x 32 ``transformer_lm_megatron_11b``
     (tied embeddings, no dropout) on fairseq's dummy_lm task, with this
-    world's groups made for ``tensor`` x ``stages``."""
+    world's groups made for ``tensor`` x ``context`` x ``stages``."""
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
     from fairseq_megatron.fairseq_integration.trainer import build_trainer
     from fairseq_megatron.parallel.rng_tracker import model_parallel_manual_seed
 
-    parallel_state.initialize_model_parallel(tensor, stages)
+    parallel_state.initialize_model_parallel(tensor, stages, context)
     model_parallel_manual_seed(3)
     torch.manual_seed(3)
     args = options.parse_args_and_arch(options.get_training_parser(), input_args=[
@@ -67,7 +67,8 @@ def build(tensor: int, stages: int, micro_batches: int, layers: int, extra=()):
         "--share-decoder-input-output-embed", "--dropout", "0", "--attention-dropout", "0",
         "--criterion", "vocab_parallel_cross_entropy", "--optimizer", "adam", "--lr", "1e-3", "--clip-norm", "0.5",
         "--seed", "3", "--update-freq", str(micro_batches), "--model-parallel-size", str(tensor),
-        "--pipeline-model-parallel-size", str(stages), "--ddp-backend", "legacy_ddp", "--cpu",
+        "--pipeline-model-parallel-size", str(stages), "--context-parallel-size", str(context),
+        "--ddp-backend", "legacy_ddp", "--cpu",
         "--distributed-world-size", str(dist.get_world_size()), *extra])
     cfg = convert_namespace_to_omegaconf(args)
     if tensor > 1:  # what fairseq's distributed_init does at --model-parallel-size > 1
@@ -90,14 +91,16 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def train(rank, world_size, tensor, stages, micro_batches, layers, updates, extra=()):
-    """Train ``updates`` updates of :func:`epoch` (this rank's data-parallel
-    shard). Returns per update the loss per token and the gradient norm
-    (as the trainer computed them), this rank's coordinates and parameter
-    names, the tied embedding's digest on the stages that hold it, and at
-    the end its parameters and their last gradients."""
+def train(rank, world_size, tensor, stages, micro_batches, layers, updates, extra=(), context=1, batches=epoch):
+    """Train ``updates`` updates of ``batches`` (:func:`epoch`: this rank's
+    data-parallel shard). Returns per update the loss per token and the
+    gradient norm (as the trainer computed them), this rank's coordinates,
+    its context-parallel rank and size and the length of the first held
+    layer's input in the last pass, its parameter names, the tied
+    embedding's digest on the stages that hold it, and at the end its
+    parameters and their last gradients."""
     torch.set_num_threads(1)  # up to 4 ranks share the machine's cores; the model is tiny
-    trainer = build(tensor, stages, micro_batches, layers, extra)
+    trainer = build(tensor, stages, micro_batches, layers, extra, context)
     trainer.get_model().run_deferred_initialisation()
     norms, losses, embedding_digests = [], [], []
     clip = trainer.clip_grad_norm
@@ -116,7 +119,9 @@ def train(rank, world_size, tensor, stages, micro_batches, layers, updates, extr
 
     trainer._reduce_and_log_stats = recorded_loss
     decoder = trainer.get_model().decoder
-    for samples in epoch(updates, micro_batches, parallel_state.get_data_parallel_rank()):
+    layer_input = []
+    next(iter(decoder.held_layers())).register_forward_pre_hook(lambda _, args: layer_input.append(args[0].size(0)))
+    for samples in batches(updates, micro_batches, parallel_state.get_data_parallel_rank()):
         trainer.train_step(samples)
         if decoder.embed_tokens is not None:
             embedding_digests.append(_digest(decoder.embed_tokens.weight))
@@ -128,6 +133,8 @@ def train(rank, world_size, tensor, stages, micro_batches, layers, updates, extr
         "sharded": [n for n, p in model.named_parameters() if hasattr(p, "device_mesh")],
         "coordinates": (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank(),
                         parallel_state.get_pipeline_model_parallel_rank()),
+        "context": (parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_world_size()),
+        "first_layer_input_length": layer_input[-1],
         "layers": sorted({int(n.split(".")[2]) for n, _ in model.named_parameters() if n.startswith("decoder.layers.")}),
         "names": [n for n, _ in model.named_parameters()],
         "losses": losses,
@@ -141,9 +148,9 @@ def train(rank, world_size, tensor, stages, micro_batches, layers, updates, extr
 
 def whole_model(results: list, key: str) -> dict:
     """The whole model's tensors from every rank's ``results[...][key]`` of
-    one model copy (data-parallel rank 0): stages merged by name, tensor
-    parts concatenated along their partition dimension."""
-    copy0 = [r for r in results if r["coordinates"][1] == 0]
+    one model copy (data-parallel rank 0, context-parallel rank 0): stages
+    merged by name, tensor parts concatenated along their partition dimension."""
+    copy0 = [r for r in results if r["coordinates"][1] == 0 and r["context"][0] == 0]
     merged = {}
     for stage in sorted({r["coordinates"][2] for r in copy0}):
         parts = sorted((r for r in copy0 if r["coordinates"][2] == stage), key=lambda r: r["coordinates"][0])

@@ -17,7 +17,7 @@ def _prepare(sample):
     dictionary = types.SimpleNamespace(pad=lambda: PAD)
     trainer = types.SimpleNamespace(
         cfg=types.SimpleNamespace(common=types.SimpleNamespace(on_cpu_convert_precision=False)),
-        cuda=False, tpu=False, _dummy_batch=None, _fp_convert_sample=lambda s: s,
+        cuda=False, tpu=False, _dummy_batch=None, _fp_convert_sample=lambda s: s, context_split=None,
         task=types.SimpleNamespace(source_dictionary=dictionary),
     )
     prepared, is_dummy = MegatronTrainer._prepare_sample(trainer, sample)

@@ -1,0 +1,513 @@
+#!/usr/bin/env python
+"""The same model trained at each parallel layout, side by side: time per
+iteration and memory per rank.
+
+    python scripts/parallelism_ablation.py --cpu --quick --csv ablation.csv --png ablation.png
+    python scripts/parallelism_ablation.py --csv ablation.csv --png ablation.png   # GPT-2 large, 2 GPUs
+
+Rows (Megatron-LM's parallelism ablation, with its names): ``baseline`` (one
+rank), ``DP2`` (two model copies), ``TP2`` (``--model-parallel-size 2``),
+``SP2`` (TP2 with ``--sequence-parallel``), ``CP2``
+(``--context-parallel-size 2``), ``PP2`` (``--pipeline-model-parallel-size
+2``, the batch as 4 micro-batches) and ``FSDP2`` (``--ddp-backend
+fully_sharded`` at two model copies). Every row trains the same model
+(``--seed``, ``--padded-vocab-size`` fixed) on the same global batch per
+iteration, each rank reading its share of it, for ``--iterations``
+iterations of our ``MegatronTrainer`` (fairseq's trainer, built from
+fairseq-train's flags; fp32 on CPU, ``--bf16-autocast`` on GPUs), and
+reports per row:
+
+- ``iteration_ms``: the median time of one update (the first two are not
+  timed, nor is their memory counted: the pipeline schedule runs a forward
+  to infer its shapes, allocators warm up);
+- ``loss``: fairseq's training loss (base 2) of the last iteration;
+- per rank, in MiB: the parameters, gradients and optimizer state it holds
+  (counted from its tensors), the most activation bytes autograd kept at
+  once (:class:`fairseq_megatron.training.memory.SavedActivations`), and its
+  peak: on a GPU ``torch.cuda.max_memory_allocated``, on CPU the sum of the
+  four, each at its most (an upper bound of what the rank held at once);
+  ``peak_memory_mib`` is the most any rank held.
+
+``--csv PATH`` writes one line per row, ``--png PATH`` plots time and peak
+memory per layout and the memory of each rank as stacked bars (both written
+under a temporary name, then renamed). A row that cannot run (a layout
+refused by the launch checks fairseq-train runs first, or a failed rank) is
+reported with its error line, in the table and the CSV's ``status``, and the
+script exits 1 after the other rows.
+
+``--cpu --quick``: a 4 x 128 decoder (4 heads, FFN 512) on 8 sequences of 256
+tokens per iteration, 2 CPU processes per row (gloo, one thread each), a few
+minutes in all. Without ``--quick``: GPT-2 large (36 layers, hidden 1280, 20
+heads, FFN 5120, sequences of 1024 tokens, a 50,304-row vocabulary), 8
+sequences per iteration, for a node with 2 GPUs. The tokens follow a fixed
+random bigram chain (8 likely successors per token), so the loss falls.
+"""
+
+import argparse
+import csv
+import datetime
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from typing import List, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+LAYOUTS = ("baseline", "DP2", "TP2", "SP2", "CP2", "PP2", "FSDP2")
+RANKS = 2  # the most ranks a row uses: the CSV has their columns
+PARTS = ("parameters", "gradients", "optimizer", "activations")
+CSV_FIELDS = (["layout", "iteration_ms", "peak_memory_mib", "loss", "world_size", "device"]
+              + [f"rank{r}_{part}_mib" for r in range(RANKS) for part in PARTS + ("peak",)] + ["status"])
+UNTIMED = 2  # iterations before timing starts
+PAD, SPECIALS = 1, 4  # fairseq's padding index and number of special symbols
+SUCCESSORS = 8  # likely successors of each token in the synthetic data
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder and its data: ``batch`` sequences of ``seq_len`` tokens per
+    iteration (the global batch), ``words`` symbols besides fairseq's special
+    ones in ``padded_vocab`` embedding rows."""
+
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    seq_len: int
+    batch: int
+    words: int
+    padded_vocab: int
+
+
+SHAPES = {
+    "quick": Shape(layers=4, hidden=128, heads=4, ffn=512, seq_len=256, batch=8, words=1000, padded_vocab=1024),
+    "gpt2-large": Shape(layers=36, hidden=1280, heads=20, ffn=5120, seq_len=1024, batch=8, words=50253,
+                        padded_vocab=50304),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One row: its ranks, parallel sizes and fairseq-train flags; each of
+    its ``data`` model copies reads ``micro_batches`` micro-batches of
+    ``rows`` sequences per iteration."""
+
+    name: str
+    world_size: int
+    tensor: int = 1
+    context: int = 1
+    pipeline: int = 1
+    data: int = 1
+    micro_batches: int = 1
+    flags: tuple = ()
+
+    def rows(self, shape: Shape) -> int:
+        return shape.batch // (self.data * self.micro_batches)
+
+
+def layout(name: str) -> Layout:
+    """The row called ``name`` (one of :data:`LAYOUTS`)."""
+    layouts = {
+        "baseline": Layout("baseline", 1),
+        "DP2": Layout("DP2", 2, data=2),
+        "TP2": Layout("TP2", 2, tensor=2),
+        "SP2": Layout("SP2", 2, tensor=2, flags=("--sequence-parallel",)),
+        "CP2": Layout("CP2", 2, context=2),
+        "PP2": Layout("PP2", 2, pipeline=2, micro_batches=4),
+        "FSDP2": Layout("FSDP2", 2, data=2, flags=("--ddp-backend", "fully_sharded")),
+    }
+    return layouts[name]
+
+
+def fairseq_flags(row: Layout, shape: Shape, cpu: bool, seed: int) -> List[str]:
+    """fairseq-train's flags for ``row`` (without the launch's)."""
+    return [
+        "--task", "dummy_lm", "--dict-size", str(shape.words), "--tokens-per-sample", str(shape.seq_len),
+        "--arch", "transformer_lm_megatron", "--decoder-layers", str(shape.layers),
+        "--decoder-embed-dim", str(shape.hidden), "--decoder-ffn-embed-dim", str(shape.ffn),
+        "--decoder-attention-heads", str(shape.heads), "--share-decoder-input-output-embed",
+        "--padded-vocab-size", str(shape.padded_vocab), "--dropout", "0.1", "--attention-dropout", "0.1",
+        "--criterion", "vocab_parallel_cross_entropy", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
+        "--lr", "3e-4", "--clip-norm", "1.0", "--seed", str(seed), "--batch-size", str(row.rows(shape)),
+        "--update-freq", str(row.micro_batches), "--model-parallel-size", str(row.tensor),
+        "--context-parallel-size", str(row.context), "--pipeline-model-parallel-size", str(row.pipeline),
+        "--ddp-backend", "legacy_ddp" if row.pipeline > 1 else "pytorch_ddp",
+        *row.flags, *(["--cpu"] if cpu else ["--bf16-autocast"]),
+    ]
+
+
+def _parse(flags: List[str]):
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    import fairseq_megatron  # noqa: F401  (registers our model, criterion and trainer)
+
+    return convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), flags))
+
+
+def refusal(row: Layout, shape: Shape, cpu: bool, seed: int) -> Optional[str]:
+    """Why fairseq-train would refuse ``row`` before any work (its option
+    checks and the launch checks of its ``main``), as its one error line; None."""
+    from fairseq_megatron.errors import UsageError
+    from fairseq_megatron.models.options import (
+        check_fully_sharded,
+        check_pipeline_data_parallel_backend,
+        check_training_precision,
+    )
+    from fairseq_megatron.parallel.layout import ParallelLayout
+
+    try:
+        cfg = _parse(fairseq_flags(row, shape, cpu, seed))
+        grid = ParallelLayout(row.world_size, row.tensor, row.pipeline, row.context)
+        check_fully_sharded(cfg.distributed_training, cfg.common, cfg.ema, cfg.model)
+        check_pipeline_data_parallel_backend(cfg.distributed_training.ddp_backend, grid.pipeline, grid.data,
+                                             grid.context)
+        check_training_precision(cfg.common, fully_sharded=cfg.distributed_training.ddp_backend == "fully_sharded")
+    except UsageError as e:
+        return str(e)
+    return None
+
+
+# ----------------------------------------------------------------- data
+
+
+def global_batch(iteration: int, shape: Shape, seed: int):
+    """The iteration's ``(batch, seq_len + 1)`` tokens: a random walk on a
+    bigram chain that gives each word :data:`SUCCESSORS` likely successors
+    (the chain is drawn from ``seed``, the walk from ``seed`` and ``iteration``)."""
+    import torch
+
+    successors = torch.randint(SPECIALS, SPECIALS + shape.words, (shape.words, SUCCESSORS),
+                               generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed * 1_000_003 + iteration)
+    tokens = torch.empty(shape.batch, shape.seq_len + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(SPECIALS, SPECIALS + shape.words, (shape.batch,), generator=g)
+    choices = torch.randint(0, SUCCESSORS, (shape.batch, shape.seq_len), generator=g)
+    for t in range(shape.seq_len):
+        tokens[:, t + 1] = successors[tokens[:, t] - SPECIALS, choices[:, t]]
+    return tokens
+
+
+def rank_samples(tokens, row: Layout, shape: Shape, data_rank: int) -> List[dict]:
+    """This model copy's micro-batches of the global batch ``tokens``, as
+    fairseq's language-modeling samples."""
+    import torch
+
+    rows = row.rows(shape)
+    samples = []
+    for m in range(row.micro_batches):
+        start = (data_rank * row.micro_batches + m) * rows
+        block = tokens[start: start + rows]
+        src, tgt = block[:, :-1].contiguous(), block[:, 1:].contiguous()
+        samples.append({"id": torch.arange(start, start + rows), "nsentences": rows, "ntokens": tgt.numel(),
+                        "net_input": {"src_tokens": src, "src_lengths": torch.full((rows,), shape.seq_len)},
+                        "target": tgt})
+    return samples
+
+
+# ----------------------------------------------------------------- one rank
+
+
+def _torch_optimizer(optimizer):
+    """The torch optimizer inside fairseq's wrappers (whose state holds the moments)."""
+    import torch
+
+    for _ in range(4):
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+    raise TypeError("no torch optimizer inside the trainer's optimizer")
+
+
+def _train_rank(rank: int, row: Layout, shape: Shape, cpu: bool, iterations: int, seed: int, init_file: str,
+                out_dir: str) -> None:
+    """One rank of ``row``: fairseq's launch (``distributed_init``, then the
+    layout, as fairseq-train with our plugin), the trainer, ``iterations``
+    updates; writes ``rank{rank}.json``."""
+    logging.basicConfig(level=logging.WARNING)
+    warnings.simplefilter("ignore")  # fairseq's and fairscale's deprecation warnings at import (see pytest.ini)
+    try:
+        result = _measure(rank, row, shape, cpu, iterations, seed, init_file)
+    except Exception as e:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"error": f"{type(e).__name__}: {e}".splitlines()[0]}, f)
+        raise
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def _measure(rank, row, shape, cpu, iterations, seed, init_file) -> dict:
+    import torch
+    import torch.distributed as dist
+    from fairseq import tasks, utils
+    from fairseq.distributed import utils as distributed_utils
+
+    from fairseq_megatron.fairseq_integration.trainer import build_trainer
+    from fairseq_megatron.parallel import parallel_state
+    from fairseq_megatron.training import memory
+
+    if cpu:
+        torch.set_num_threads(1)  # the row's ranks share the machine's cores
+    else:
+        torch.cuda.set_device(rank)
+    cfg = _parse(fairseq_flags(row, shape, cpu, seed) + [
+        "--distributed-world-size", str(row.world_size), "--distributed-rank", str(rank),
+        "--distributed-init-method", f"file://{init_file}", "--distributed-backend", "gloo" if cpu else "nccl",
+        "--device-id", str(0 if cpu else rank)])
+    sizes = (row.tensor, row.pipeline, row.context)
+    parallel_state.expect_layout(*sizes)
+    if row.world_size > 1:
+        distributed_utils.distributed_init(cfg)
+    parallel_state.ensure_model_parallel(*sizes)
+    utils.set_torch_seed(seed)
+    task = tasks.setup_task(cfg.task)
+    trainer = build_trainer(cfg, task, task.build_model(cfg.model), task.build_criterion(cfg.criterion))
+    model = trainer.get_model()
+    data_rank = parallel_state.get_data_parallel_rank()
+    times, activations, loss = [], 0, None
+    for iteration in range(iterations):
+        samples = rank_samples(global_batch(iteration, shape, seed), row, shape, data_rank)
+        _wait_for_all(cpu, row)
+        if iteration == UNTIMED and not cpu:
+            torch.cuda.reset_peak_memory_stats()  # measured, as the times, after the warm-up
+        saved = memory.SavedActivations(model)  # after the trainer moved the model to its device
+        start = time.perf_counter()
+        with saved:
+            logged = trainer.train_step(samples)
+        _wait_for_all(cpu, row)
+        if iteration >= UNTIMED:  # the first update of a pipeline also runs a forward to infer shapes
+            times.append(time.perf_counter() - start)
+            activations = max(activations, saved.peak)
+        loss = float(logged["loss"])
+    parts = {
+        "parameters": memory.parameter_bytes(model),
+        "gradients": memory.gradient_bytes(model),
+        "optimizer": memory.optimizer_state_bytes(_torch_optimizer(trainer.optimizer).state),
+        "activations": activations,
+    }
+    peak = sum(parts.values()) if cpu else torch.cuda.max_memory_allocated()
+    ran_at = {"world_size": dist.get_world_size() if dist.is_initialized() else 1,
+              "tensor": parallel_state.get_tensor_model_parallel_world_size(),
+              "context": parallel_state.get_context_parallel_world_size(),
+              "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
+              "data": parallel_state.get_data_parallel_world_size()}
+    result = {"times": times, "loss": loss, "peak": peak, "ran_at": ran_at, **parts}
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
+
+
+def _wait_for_all(cpu: bool, row: Layout) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if not cpu:
+        torch.cuda.synchronize()
+    if row.world_size > 1:
+        dist.barrier()
+
+
+# ----------------------------------------------------------------- rows
+
+
+def run_layout(row: Layout, shape: Shape, cpu: bool, iterations: int, seed: int) -> dict:
+    """``row`` trained in ``row.world_size`` spawned processes: its CSV line
+    (``status`` "ok", or the error line of the check or the rank that failed)."""
+    import torch.multiprocessing as mp
+
+    line = {"layout": row.name, "world_size": row.world_size, "device": _device(cpu), "status": "ok"}
+    refused = refusal(row, shape, cpu, seed)
+    if refused is not None:
+        return dict(line, status=f"refused: {refused}")
+    if cpu:  # ranks forked from a server that imported torch, fairseq and the plugin once (seconds per rank)
+        start_method = "forkserver"
+        mp.set_forkserver_preload(["fairseq_megatron.fairseq_integration.trainer"])
+    else:
+        start_method = "spawn"  # CUDA must not have been touched in a forked process
+    with tempfile.TemporaryDirectory(prefix="ablation-") as tmp:
+        try:
+            mp.start_processes(_train_rank, args=(row, shape, cpu, iterations, seed, os.path.join(tmp, "init"), tmp),
+                               nprocs=row.world_size, join=True, start_method=start_method)
+        except Exception as e:  # a rank failed: its own error line, if it wrote one
+            errors = [_read(tmp, r).get("error") for r in range(row.world_size)]
+            message = next((m for m in errors if m), str(e).strip().splitlines()[-1])
+            return dict(line, status=f"failed: {message}")
+        ranks = [_read(tmp, r) for r in range(row.world_size)]
+    sizes = {"world_size": row.world_size, "tensor": row.tensor, "context": row.context, "pipeline": row.pipeline,
+             "data": row.data}
+    wrong = [r for r, result in enumerate(ranks) if result["ran_at"] != sizes]
+    if wrong:
+        return dict(line, status=f"failed: rank {wrong[0]} ran at {ranks[wrong[0]]['ran_at']}, not {sizes}")
+    line.update(iteration_ms=round(statistics.median(ranks[0]["times"]) * 1e3, 1), loss=round(ranks[0]["loss"], 4),
+                peak_memory_mib=_mib(max(r["peak"] for r in ranks)))
+    for r, result in enumerate(ranks):
+        for part in PARTS + ("peak",):
+            line[f"rank{r}_{part}_mib"] = _mib(result[part])
+    return line
+
+
+def _read(directory: str, rank: int) -> dict:
+    path = os.path.join(directory, f"rank{rank}.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _mib(nbytes: int) -> float:
+    return round(nbytes / 2 ** 20, 2)
+
+
+def _device(cpu: bool) -> str:
+    import torch
+
+    if cpu:
+        return f"CPU ({os.cpu_count()} cores)"
+    return torch.cuda.get_device_name(0)
+
+
+# ----------------------------------------------------------------- output
+
+
+def format_table(lines: List[dict]) -> str:
+    """The rows as a text table (failed rows with their status)."""
+    out = [f"{'layout':<9}{'ranks':>6}{'iteration ms':>14}{'peak MiB':>10}{'loss':>8}   "
+           f"per rank MiB: parameters / gradients / optimizer / activations"]
+    for line in lines:
+        if line["status"] != "ok":
+            out.append(f"{line['layout']:<9}{line['world_size']:>6}   {line['status']}")
+            continue
+        ranks = "   ".join(" / ".join(f"{line[f'rank{r}_{part}_mib']:g}" for part in PARTS)
+                           for r in range(line["world_size"]))
+        out.append(f"{line['layout']:<9}{line['world_size']:>6}{line['iteration_ms']:>14.1f}"
+                   f"{line['peak_memory_mib']:>10.1f}{line['loss']:>8.3f}   {ranks}")
+    return "\n".join(out)
+
+
+def write_csv(path: str, lines: List[dict]) -> None:
+    """``lines`` under :data:`CSV_FIELDS`, written to ``path.tmp`` and renamed."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+            writer.writeheader()
+            writer.writerows(lines)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # the write failed: no partial file stays behind
+            os.remove(tmp)
+
+
+def draw_png(path: str, lines: List[dict]) -> None:
+    """Time per iteration and peak memory per layout, and each rank's memory
+    as stacked bars (parameters, gradients, optimizer state, activations);
+    a row that did not run is labelled so. Written to a temporary name, then renamed."""
+    import matplotlib
+
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # importing fairseq set the root logger to DEBUG
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [line["layout"] for line in lines]
+    ran = [line["status"] == "ok" for line in lines]
+    fig, (time_axis, peak_axis, ranks_axis) = plt.subplots(1, 3, figsize=(17, 4.8),
+                                                           gridspec_kw={"width_ratios": [1, 1, 2]})
+    for axis, key, label in ((time_axis, "iteration_ms", "time per iteration, ms"),
+                             (peak_axis, "peak_memory_mib", "peak memory of any rank, MiB")):
+        values = [line[key] if ok else 0 for line, ok in zip(lines, ran)]
+        axis.bar(names, values, color="tab:blue" if key == "iteration_ms" else "tab:orange")
+        for x, ok in enumerate(ran):
+            if not ok:
+                axis.text(x, 0, "did not run", rotation=90, ha="center", va="bottom", fontsize=8)
+        axis.set_ylabel(label)
+        axis.tick_params(axis="x", rotation=45)
+    labels, x = [], 0
+    colors = {"parameters": "tab:blue", "gradients": "tab:green", "optimizer": "tab:purple",
+              "activations": "tab:orange"}
+    for line in lines:
+        for r in range(line["world_size"] if line["status"] == "ok" else 0):
+            bottom = 0.0
+            for part in PARTS:
+                value = line[f"rank{r}_{part}_mib"]
+                ranks_axis.bar(x, value, bottom=bottom, color=colors[part], label=part if x == 0 else None)
+                bottom += value
+            labels.append(f"{line['layout']}\nrank {r}")
+            x += 1
+    ranks_axis.set_xticks(range(len(labels)), labels, fontsize=7)
+    ranks_axis.set_ylabel("MiB per rank")
+    ranks_axis.legend(fontsize=8)
+    fig.suptitle(f"parallelism ablation ({lines[0]['device']})")
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    try:
+        fig.savefig(tmp, dpi=100)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# ----------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu", action="store_true", help="CPU processes with gloo (default: one GPU per rank, NCCL)")
+    p.add_argument("--quick", action="store_true", help="the small shape (default: GPT-2 large)")
+    p.add_argument("--rows", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), metavar="LAYOUT",
+                   help=f"the layouts to run, of {', '.join(LAYOUTS)} (default: all, in that order)")
+    p.add_argument("--iterations", type=int, default=6,
+                   help=f"updates per row; the first {UNTIMED} are not timed (default: 6)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--csv", metavar="PATH", help="write one line per row to this CSV file")
+    p.add_argument("--png", metavar="PATH", help="plot the rows into this PNG file")
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.iterations <= UNTIMED:
+        parser.error(f"--iterations {args.iterations}: the first {UNTIMED} are not timed; give at least {UNTIMED + 1}")
+    for flag, path in (("--csv", args.csv), ("--png", args.png)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"{flag} {path}: no directory {os.path.dirname(os.path.abspath(path))}")
+    import torch
+
+    if not args.cpu and torch.cuda.device_count() < RANKS:
+        parser.error(f"{torch.cuda.device_count()} CUDA GPU(s) here, the rows need {RANKS}: pass --cpu "
+                     f"(and --quick) to run on CPU processes")
+    shape = SHAPES["quick" if args.quick else "gpt2-large"]
+    print(f"{shape.layers} layers x {shape.hidden} hidden ({shape.heads} heads, FFN {shape.ffn}), "
+          f"{shape.batch} x {shape.seq_len} tokens per iteration, {args.iterations} iterations, "
+          f"{'fp32 on CPU' if args.cpu else 'bf16 autocast'}; {_device(args.cpu)}, "
+          f"{datetime.date.today().isoformat()}", flush=True)
+    lines = []
+    for name in args.rows:
+        lines.append(run_layout(layout(name), shape, args.cpu, args.iterations, args.seed))
+        print(format_table(lines[-1:]).splitlines()[-1], flush=True)
+    print()
+    print(format_table(lines))
+    if args.csv:
+        write_csv(args.csv, lines)
+    if args.png:
+        draw_png(args.png, lines)
+    failed = [line["layout"] for line in lines if line["status"] != "ok"]
+    if failed:
+        print(f"error: {len(failed)} of {len(lines)} rows did not run: {', '.join(failed)} (see above)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

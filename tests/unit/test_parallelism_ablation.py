@@ -1,0 +1,83 @@
+"""scripts/parallelism_ablation.py's pure parts: the rows' batches and
+flags, the launch checks that refuse a row, and its outputs (the script's
+run is tests/e2e/test_parallelism_ablation.py)."""
+
+import csv
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "scripts"))
+import parallelism_ablation as ablation  # noqa: E402  isort:skip
+
+QUICK = ablation.SHAPES["quick"]
+
+
+def test_every_row_reads_the_same_global_batch():
+    """Each model copy takes its micro-batches' rows of the iteration's
+    batch: over the copies and micro-batches, every sequence once; the
+    ranks of one copy (tensor, context, pipeline) read the same."""
+    tokens = ablation.global_batch(0, QUICK, seed=1)
+    assert tokens.shape == (QUICK.batch, QUICK.seq_len + 1)
+    assert torch.equal(tokens, ablation.global_batch(0, QUICK, seed=1)) and \
+        not torch.equal(tokens, ablation.global_batch(1, QUICK, seed=1))
+    for name in ablation.LAYOUTS:
+        row = ablation.layout(name)
+        assert row.world_size == row.tensor * row.context * row.pipeline * row.data
+        samples = [s for d in range(row.data) for s in ablation.rank_samples(tokens, row, QUICK, d)]
+        assert len(samples) == row.data * row.micro_batches
+        assert torch.equal(torch.cat([s["net_input"]["src_tokens"] for s in samples]), tokens[:, :-1]), name
+        assert torch.equal(torch.cat([s["target"] for s in samples]), tokens[:, 1:]), name
+        assert sum(s["ntokens"] for s in samples) == QUICK.batch * QUICK.seq_len
+
+
+def test_rows_are_the_layouts_fairseq_train_runs():
+    for name, (tensor, context, pipeline) in {"baseline": (1, 1, 1), "TP2": (2, 1, 1), "CP2": (1, 2, 1),
+                                              "PP2": (1, 1, 2)}.items():
+        cfg = ablation._parse(ablation.fairseq_flags(ablation.layout(name), QUICK, cpu=True, seed=1))
+        assert (cfg.common.model_parallel_size, cfg.model.context_parallel_size,
+                cfg.model.pipeline_model_parallel_size) == (tensor, context, pipeline)
+        assert cfg.model.padded_vocab_size == QUICK.padded_vocab and cfg.common.seed == 1
+    assert ablation._parse(ablation.fairseq_flags(ablation.layout("SP2"), QUICK, True, 1)).model.sequence_parallel
+    cfg = ablation._parse(ablation.fairseq_flags(ablation.layout("FSDP2"), QUICK, True, 1))
+    assert cfg.distributed_training.ddp_backend == "fully_sharded"
+
+
+def test_every_row_passes_fairseq_trains_launch_checks_on_cpu():
+    """FSDP2 too: torch's FSDP2 runs on CPU with gloo."""
+    for name in ("baseline", "DP2", "TP2", "SP2", "CP2", "PP2", "FSDP2"):
+        assert ablation.refusal(ablation.layout(name), QUICK, cpu=True, seed=1) is None, name
+    flags = ablation.fairseq_flags(ablation.layout("FSDP2"), QUICK, cpu=True, seed=1)
+    assert flags[flags.index("--ddp-backend") + 1] == "fully_sharded"
+
+
+def test_a_row_that_did_not_run_is_reported_in_the_table_csv_and_png(tmp_path):
+    ok = {"layout": "CP2", "world_size": 2, "device": "CPU", "status": "ok", "iteration_ms": 12.5,
+          "peak_memory_mib": 3.0, "loss": 9.5}
+    for r in range(2):
+        ok.update({f"rank{r}_{part}_mib": 0.5 for part in ablation.PARTS}, **{f"rank{r}_peak_mib": 2.0})
+    failed = {"layout": "FSDP2", "world_size": 2, "device": "CPU", "status": "refused: needs CUDA GPUs"}
+    table = ablation.format_table([ok, failed])
+    assert table.splitlines()[2] == "FSDP2         2   refused: needs CUDA GPUs"
+    assert "0.5 / 0.5 / 0.5 / 0.5   0.5 / 0.5 / 0.5 / 0.5" in table.splitlines()[1]
+    path = tmp_path / "rows.csv"
+    ablation.write_csv(str(path), [ok, failed])
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["layout"] for r in rows] == ["CP2", "FSDP2"] and rows[1]["iteration_ms"] == ""
+    assert rows[1]["status"] == "refused: needs CUDA GPUs" and os.listdir(tmp_path) == ["rows.csv"]
+    ablation.draw_png(str(tmp_path / "rows.png"), [ok, failed])
+    assert (tmp_path / "rows.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(tmp_path)) == ["rows.csv", "rows.png"]
+
+
+def test_bad_arguments_are_one_line_before_any_row(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        ablation.main(["--cpu", "--quick", "--iterations", "2"])
+    assert e.value.code == 2 and "error: --iterations 2: the first 2 are not timed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ablation.main(["--cpu", "--quick", "--csv", str(tmp_path / "missing" / "a.csv")])
+    assert f"error: --csv {tmp_path / 'missing' / 'a.csv'}: no directory" in capsys.readouterr().err

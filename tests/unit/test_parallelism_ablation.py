@@ -50,8 +50,8 @@ def test_every_row_passes_fairseq_trains_launch_checks_on_cpu():
     """FSDP2 too: torch's FSDP2 runs on CPU with gloo."""
     for name in ("baseline", "DP2", "TP2", "SP2", "CP2", "PP2", "FSDP2"):
         assert ablation.refusal(ablation.layout(name), QUICK, cpu=True, seed=1) is None, name
-    flags = ablation.fairseq_flags(ablation.layout("FSDP2"), QUICK, cpu=True, seed=1)
-    assert flags[flags.index("--ddp-backend") + 1] == "fully_sharded"
+    cfg = ablation._parse(ablation.fairseq_flags(ablation.layout("FSDP2"), QUICK, cpu=True, seed=1))
+    assert cfg.distributed_training.ddp_backend == "fully_sharded"
 
 
 def test_a_row_that_did_not_run_is_reported_in_the_table_csv_and_png(tmp_path):

@@ -27,7 +27,9 @@ processes, and gathering on CPU.
     and answered nothing; the launching process now passes its standard
     input on to rank 0 through a named pipe given as ``--input``.
   * With ``--user-dir`` of this package, a model-parallel size below 1 is
-    one error line (fairseq ran it as size 1), and each rank that torchrun
+    one error line (fairseq ran it as size 1), and so is a value of
+    fairseq's own numeric options that no run can use
+    (:mod:`.option_values`: ``--update-freq 0``, ``--beam 0``, ...), and each rank that torchrun
     or fairseq's own spawn started ends when its launcher dies
     (:func:`_exit_with_the_launcher`): the ranks of a torchrun killed with
     SIGKILL trained on and wrote checkpoints.
@@ -179,12 +181,18 @@ def call_main(cfg, main, **kwargs):
 
     Raises:
         UsageError: with ``--user-dir`` of this package, a model-parallel
-            size below 1; SLURM nodes that do not divide the world size.
+            size below 1, or an impossible value of fairseq's numeric options
+            (:func:`.option_values.check_option_values`); SLURM nodes that
+            do not divide the world size.
     """
     size = cfg.common.model_parallel_size
     ours = plugin_on_command_line()
     if ours and size < 1:
         raise UsageError(f"--model-parallel-size {size}: the number of model parts is at least 1")
+    if ours:
+        from fairseq_megatron.fairseq_integration.option_values import check_option_values
+
+        check_option_values(cfg)  # fairseq's own numbers, beside our sizes
     if ours and os.environ.get("TORCHELASTIC_RUN_ID"):  # a rank that torchrun started
         _exit_with_the_launcher()
     launch = cfg.distributed_training

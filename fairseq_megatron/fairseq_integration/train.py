@@ -10,12 +10,14 @@
   and ``--ddp-backend fully_sharded``, so both left an empty save dir
   behind; ``--bf16`` without torch_xla and ``--fp16`` on CPU failed with
   tracebacks after building it; a ``--save-dir`` with a file in its path
-  was "Not a directory: '<save-dir>/dummy'". (The model's own option checks
-  already run while fairseq parses the command line.) The refusals that
-  need the task or a checkpoint (a dict.txt other than the checkpoint's,
-  training samples all longer than the model's positions) come after
-  ``main`` made the directory; a run that fails removes the directories it
-  made if they are still empty.
+  was "Not a directory: '<save-dir>/dummy'", and a read-only one a logged
+  warning and a traceback. (The model's own option checks already run while
+  fairseq parses the command line.) It then holds the save dir's lock for
+  the run (:mod:`.save_dir`): a second run with the same ``--save-dir`` is
+  one line. The refusals that need the task or a checkpoint (a dict.txt
+  other than the checkpoint's, training samples all longer than the model's
+  positions) come after ``main`` made the directory; a run that fails
+  removes the directories it made if they are still empty.
 - ``train`` (one epoch) returns at once when the checkpoint it resumed from
   has reached ``--max-update``: fairseq trained one more update before
   testing the limit and saved it over ``checkpoint_last`` (and an interval
@@ -56,6 +58,7 @@ def main(cfg, **kwargs):
         check_training_precision,
         pipeline_stages,
     )
+    from fairseq_megatron.fairseq_integration.save_dir import check_writable, one_run_at_a_time
     from fairseq_megatron.parallel import parallel_state
 
     run = original(_cli(), "main")
@@ -74,11 +77,13 @@ def main(cfg, **kwargs):
     check_data_parallel_backend(cfg.distributed_training.ddp_backend, size, cfg.common.cpu)
     check_pipeline_data_parallel_backend(cfg.distributed_training.ddp_backend, stages, layout.data)
     check_training_precision(cfg.common)
+    check_writable(cfg.checkpoint.save_dir)
     # fairseq's main makes --save-dir on the master rank only
-    made = directories_missing(cfg.checkpoint.save_dir) if distributed_utils.is_master(
-        cfg.distributed_training) else []
+    master = distributed_utils.is_master(cfg.distributed_training)
+    made = directories_missing(cfg.checkpoint.save_dir) if master else []
     try:
-        return run(cfg, **kwargs)
+        with one_run_at_a_time(cfg.checkpoint.save_dir, master, made):
+            return run(cfg, **kwargs)
     except BaseException:
         remove_while_empty(made)
         raise

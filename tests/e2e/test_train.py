@@ -126,7 +126,8 @@ def test_resuming_at_another_size_stops_instead_of_starting_over(trained, tmp_pa
     assert rc != 0 and "num_updates" not in out, out[-3000:]
     assert out.rstrip().splitlines()[-1] == (
         f"error: {tmp_path / 'checkpoint_last.pt'} is in --save-dir {tmp_path}, where this run would save "
-        f"checkpoints of model-parallel size 1 under the same names: pass another --save-dir"), out[-3000:]
+        f"checkpoints of model-parallel size 1 under the same names: pass another --save-dir (with --restore-file "
+        f"{tmp_path / 'checkpoint_last.pt'})"), out[-3000:]
     assert listing(tmp_path) == before
 
 

@@ -71,21 +71,35 @@ _DROPPED = ("decoder.version", "decoder.embed_positions._float_tensor")
 def require_transformers():
     """Import transformers and safetensors, or say how to install them.
 
-    A torchaudio that is installed but cannot load (fairseq requires
-    torchaudio, and pip may pick one built for another torch, whose library
-    fails with OSError) is marked absent first: transformers imports
-    torchaudio whenever it finds the package, and would fail the same way.
+    transformers imports torchaudio whenever the package is installed, and
+    fairseq requires torchaudio: pip may pick one built for another torch,
+    whose library then fails to load (``OSError``), and so would every
+    ``from_pretrained`` of the export in the user's own process. That is
+    refused here, with the fix, before anything is written (``make
+    install`` removes such a torchaudio: fairseq's language models never
+    import it).
 
     Raises:
-        UsageError: transformers or safetensors is missing.
+        UsageError: transformers or safetensors is missing, or torchaudio
+            is installed and cannot load.
     """
+    import importlib.util
     import sys
 
-    if "torchaudio" not in sys.modules:
+    if "torchaudio" not in sys.modules and importlib.util.find_spec("torchaudio") is not None:
         try:
             import torchaudio  # noqa: F401
-        except (ImportError, OSError):
-            sys.modules["torchaudio"] = None  # importlib.util.find_spec now answers None
+        except (ImportError, OSError) as e:
+            import importlib.metadata
+
+            try:
+                installed = f"torchaudio {importlib.metadata.version('torchaudio')}"
+            except importlib.metadata.PackageNotFoundError:
+                installed = "torchaudio"
+            raise UsageError(f"--to-hf: {installed} is installed and cannot load beside torch "
+                             f"{torch.__version__} ({type(e).__name__}: {str(e).splitlines()[0]}); transformers "
+                             f"imports it whenever it is installed, so the export would not load either: pip "
+                             f"uninstall torchaudio (fairseq's language models do not use it)") from None
     try:
         import safetensors  # noqa: F401
         import transformers

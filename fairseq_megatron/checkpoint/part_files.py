@@ -409,11 +409,12 @@ def is_write_failure(error: BaseException) -> bool:
     system's: an OSError, torch's zip writer reporting a short write (a full
     disk reaches it as "unexpected pos ..." or "file write failed"), or
     safetensors' writer reporting an I/O error (``SafetensorError: Error
-    while serializing: IoError(...)``)."""
+    while serializing: I/O error: No space left on device (os error 28)``;
+    ``IoError(...)`` in older releases)."""
     said = str(error)
     return isinstance(error, OSError) or (isinstance(error, RuntimeError) and any(
         s in said for s in ("unexpected pos", "file write failed", "PytorchStreamWriter failed"))) or (
-        type(error).__name__ == "SafetensorError" and "IoError" in said)
+        type(error).__name__ == "SafetensorError" and any(s in said for s in ("I/O error", "IoError")))
 
 
 def write_error(path: str, error: BaseException, needed: Optional[int] = None) -> CheckpointError:

@@ -171,13 +171,15 @@ def test_bad_input_is_one_line_and_writes_nothing(exported, tmp_path, capsys):
     assert "holds files" in capsys.readouterr().err and os.listdir(out) == ["config.json"]
 
 
-def test_a_full_disk_is_one_line_and_leaves_nothing(exported, tmp_path, capsys, monkeypatch):
-    """safetensors fails to write the second shard (the disk filled): one
+@pytest.mark.parametrize("error", ["ENOSPC", "safetensors"])
+def test_a_full_disk_is_one_line_and_leaves_nothing(exported, tmp_path, capsys, monkeypatch, error):
+    """safetensors fails to write the second shard (the disk filled), with
+    an OSError or with the ``SafetensorError`` it raises on a full disk: one
     line with the reason and the bytes free, no output and no temporary
-    directory (it was a traceback)."""
+    directory (it was a traceback; the SafetensorError one still was)."""
     import safetensors.torch
 
-    save = FullDiskAt(safetensors.torch.save_file, call=2)
+    save = FullDiskAt(safetensors.torch.save_file, call=2, error=error)
     monkeypatch.setattr(safetensors.torch, "save_file", save)
     out = tmp_path / "out"
     dictionary = tmp_path / "dict.txt"

@@ -421,10 +421,14 @@ def _ema_from_the_weights(state: dict, path: str) -> dict:
 
 def checkpoint_for_rank(trainer, filename: str, reset_optimizer: bool) -> str:
     """What :meth:`MegatronTrainer.load_checkpoint` hands fairseq's: this
-    rank's part file of the checkpoint fairseq named ``filename``, or a
-    :class:`CheckpointInMemory` for it (a part built from the parts of
-    another model-parallel size; EMA weights added for ``--store-ema``).
-    Every rank checks that no part is cut short before any rank loads one.
+    rank's part file of the checkpoint fairseq named ``filename``, as a
+    :class:`~fairseq_megatron.checkpoint.reading.ReadThrough` (the file as
+    opened, under the name it has on disk: its staged name where a kill
+    left it so), or a :class:`CheckpointInMemory` for it (a part built from
+    the parts of another model-parallel size; EMA weights added for
+    ``--store-ema``). Every rank opens the files of one save, the same on
+    all, and checks that no part is cut short before any rank loads one;
+    nothing is written.
 
     Raises:
         UsageError: another size without ``reset_optimizer`` (the message

@@ -89,6 +89,36 @@ def test_a_read_only_checkpoint_left_by_a_killed_save_is_evaluated_resharded_exp
     assert sorted(os.listdir(out / "hf"))[:2] == ["README.md", "config.json"]
 
 
+def test_fairseq_train_resumes_from_a_save_a_kill_left_unfinished(trained, tmp_path):
+    """A fine-tuning run killed after its last save's commit point, before
+    rank 1's rename, started again with its command: rank 1's part is only
+    under its staged name, so fairseq alone would take it for a first launch
+    there and fine-tune that rank afresh (it looks for the final name) while
+    rank 0 resumes. Every rank resumes from that save, reading it as it is, and the
+    run's next save replaces it: final names, one token, no staged file,
+    and the weights of the same run resumed from the save whole (bitwise:
+    the same updates from the same state; rank 1 afresh would differ)."""
+    save_dir, whole = tmp_path / "ckpt", tmp_path / "whole"
+    shutil.copytree(trained["ckpt"], save_dir)
+    shutil.copytree(trained["ckpt"], whole)
+    path = str(save_dir / "checkpoint_last.pt")
+    token = read_manifest(path)["token"]
+    os.replace(part_path(path, 1), staged_name(part_path(path, 1), token))
+    for directory in (save_dir, whole):  # a fine-tuning job's command, run again: it resumes once it has saved
+        _, log = fairseq("train", train_args(trained["data"], str(directory), max_update=5) + [
+            "--finetune-from-model", os.path.join(trained["ckpt"], "checkpoint_last.pt")], nproc=2)
+        assert "(epoch 1 @ 4 updates)" in log and "num_updates=5," in log, log[-3000:]
+    for rank in (0, 1):
+        ours, reference = (torch.load(part_path(str(d / "checkpoint_last.pt"), rank), weights_only=False)["model"]
+                           for d in (save_dir, whole))
+        assert _digest(ours) == _digest(reference), rank
+    assert sorted(os.listdir(save_dir)) == ["checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt",
+                                            "checkpoint_last.pt.manifest.json"]
+    saved = read_manifest(path)
+    assert saved["updates"] == 5 and [torch.load(part_path(path, r), weights_only=False)["extra_state"]["save"]
+                                      for r in (0, 1)] == [{"token": saved["token"], "updates": 5}] * 2
+
+
 def test_readers_beside_a_training_that_saves_every_update(trained, tmp_path):
     """fairseq-train at size 2 saving every update (an interval checkpoint,
     and checkpoint_last copied from it), and beside it, until it ends, a
@@ -144,6 +174,8 @@ def test_readers_beside_a_training_that_saves_every_update(trained, tmp_path):
     failed = [out[-2000:] for code, out in outcome["eval"] if code != 0]
     assert outcome["eval"] and not failed, failed[:1]
     seen = {u for _, u, _ in reads}
+    print(f"{updates} updates saved every update; {len(reads)} reads of {len(seen)} saves, "
+          f"{len(outcome['eval'])} fairseq-eval-lm runs, none refused")  # shown with pytest -s
     assert len(seen) >= 3, (len(reads), seen)  # the reads overlapped several saves
     for token, update, digest in reads:
         interval = str(save_dir / f"checkpoint_1_{update}.pt")

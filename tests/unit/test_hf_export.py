@@ -224,6 +224,26 @@ def test_bad_input_is_one_line_and_writes_nothing(exported, tmp_path, capsys):
     assert "holds files" in capsys.readouterr().err and os.listdir(out) == ["config.json"]
 
 
+def test_a_directory_named_as_the_old_temporary_one_is_left_alone(exported, tmp_path):
+    """``--to-hf --output D`` wrote into ``D.tmp/`` and removed whatever was
+    there first without a word: a user's directory of that name, and the
+    input itself when the checkpoint lived in it. The export now writes into
+    a new directory of its own: ``D.tmp/`` and the input in it stay as they
+    were."""
+    import shutil
+
+    user = tmp_path / "hf.tmp"
+    user.mkdir()
+    (user / "notes.txt").write_text("the user's\n")
+    for name in os.listdir(os.path.dirname(exported["src"])):
+        shutil.copy(os.path.join(os.path.dirname(exported["src"]), name), user / name)
+    before = {name: (user / name).read_bytes() for name in os.listdir(user)}
+    assert reshard_checkpoint.main(["--input", str(user / "model.pt"), "--output", str(tmp_path / "hf"),
+                                    "--to-hf"]) == 0
+    assert {name: (user / name).read_bytes() for name in os.listdir(user)} == before
+    assert sorted(os.listdir(tmp_path)) == ["hf", "hf.tmp"] and "config.json" in os.listdir(tmp_path / "hf")
+
+
 @pytest.mark.parametrize("error", ["ENOSPC", "safetensors"])
 def test_a_full_disk_is_one_line_and_leaves_nothing(exported, tmp_path, capsys, monkeypatch, error):
     """safetensors fails to write the second shard (the disk filled), with

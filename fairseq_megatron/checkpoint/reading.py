@@ -156,16 +156,20 @@ def _open_once(path: str, metadata: bool) -> OpenedSave:
     except BaseException:
         _close_all([fd for fd, _ in opened.values()])
         raise
-    for name in every_file:
-        check_whole(save.source(name), name)
-    if metadata and len(every_file) > 1:
-        states = [_metadata(save.source(name), name) for name in every_file]
-        try:
-            check_one_save(every_file, states, manifest)
-        except CheckpointError:
-            if _changed(path, manifest, save):
-                raise _Changed() from None
-            raise
+    try:
+        for name in every_file:
+            check_whole(save.source(name), name)
+        if metadata and len(every_file) > 1:
+            states = [_metadata(save.source(name), name) for name in every_file]
+            try:
+                check_one_save(every_file, states, manifest)
+            except CheckpointError:
+                if _changed(path, manifest, save):
+                    raise _Changed() from None
+                raise
+    except BaseException:
+        save.close()
+        raise
     return save
 
 

@@ -71,6 +71,7 @@ def test_a_read_only_checkpoint_left_by_a_killed_save_is_evaluated_resharded_exp
     out = tmp_path / "out"
     out.mkdir()
 
+    # at --model-parallel-size 2 eval-lm refuses one process: its loss is of two
     _, at_2 = fairseq("eval_lm", eval_args(trained["data"], path, 2), nproc=2, read_only=[source])
     _, at_1 = fairseq("eval_lm", eval_args(trained["data"], path, 1), read_only=[source])
     assert abs(eval_loss(at_1) - eval_loss(at_2)) <= 2e-4  # 4 printed decimals; fp32 sums in another order
@@ -81,7 +82,8 @@ def test_a_read_only_checkpoint_left_by_a_killed_save_is_evaluated_resharded_exp
     fairseq(reshard_tool, ["--input", path, "--output", str(out / "hf"), "--to-hf"], read_only=[source])
     _, log = fairseq("train", train_args(trained["data"], str(out / "tuned"), max_update=1) + [
         "--finetune-from-model", path], nproc=2, read_only=[source])
-    assert f"fine-tuning from {path}" in log and "done training" in log, log[-3000:]
+    assert f"fine-tuning from {path}" in log and "training on 2 devices" in log and "done training" in log, \
+        log[-3000:]
     assert _files(source) == before
     original = PartFiles(os.path.join(trained["ckpt"], "checkpoint_last.pt"))
     assert _digest(torch.load(out / "one.pt", weights_only=False)["model"]) == _digest(
@@ -107,7 +109,8 @@ def test_fairseq_train_resumes_from_a_save_a_kill_left_unfinished(trained, tmp_p
     for directory in (save_dir, whole):  # a fine-tuning job's command, run again: it resumes once it has saved
         _, log = fairseq("train", train_args(trained["data"], str(directory), max_update=5) + [
             "--finetune-from-model", os.path.join(trained["ckpt"], "checkpoint_last.pt")], nproc=2)
-        assert "(epoch 1 @ 4 updates)" in log and "num_updates=5," in log, log[-3000:]
+        assert "training on 2 devices" in log and "(epoch 1 @ 4 updates)" in log and "num_updates=5," in log, \
+            log[-3000:]
     for rank in (0, 1):
         ours, reference = (torch.load(part_path(str(d / "checkpoint_last.pt"), rank), weights_only=False)["model"]
                            for d in (save_dir, whole))
@@ -169,7 +172,7 @@ def test_readers_beside_a_training_that_saves_every_update(trained, tmp_path):
     training.join()
     evaluating.join()
     rc, log = outcome["train"]
-    assert rc == 0 and re.search(rf"num_updates={updates}\b", log), log[-3000:]
+    assert rc == 0 and "training on 2 devices" in log and re.search(rf"num_updates={updates}\b", log), log[-3000:]
     assert refused == [], refused[:3]
     failed = [out[-2000:] for code, out in outcome["eval"] if code != 0]
     assert outcome["eval"] and not failed, failed[:1]

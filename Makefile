@@ -16,6 +16,10 @@ $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install "$(TORCH)" -e ".[test]"
+	# fairseq requires torchaudio, and pip's newest (2.11) cannot load beside torch 2.13 (its library
+	# links against another torch); transformers imports torchaudio whenever it is installed, so a model
+	# exported with --to-hf would not load. fairseq's language models never import it: it goes.
+	$(PY) -c "import torchaudio" 2>/dev/null || $(PY) -m pip uninstall --quiet --yes torchaudio
 	touch $@
 
 demo: install

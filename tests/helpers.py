@@ -25,6 +25,7 @@ from fairseq_megatron.models.model_parallel_transformer_lm import (
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
 from fairseq_megatron.training.parallelize import parallelize
+from tests.preloaded import READ_ONLY_UNAVAILABLE
 
 # Small dims that still exercise every split: 8 heads and FFN 128 divide by 1, 2 and 4.
 DIMS = dict(
@@ -163,7 +164,7 @@ def init_model_parallel(model_parallel_size: int, seed: int = 0):
 ENV = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
 
 
-def fairseq(tool, args, nproc=None, check=True, timeout=300, stdin=None, cwd=None, preloaded=True):
+def fairseq(tool, args, nproc=None, check=True, timeout=300, stdin=None, cwd=None, preloaded=True, read_only=()):
     """Run ``fairseq_cli.<tool>`` (or the module ``tool`` when its name has a
     dot) as ``nproc`` ranks (or one process without ranks), ``stdin`` as its
     standard input, in directory ``cwd``; return (rc, output), the ranks'
@@ -176,10 +177,18 @@ def fairseq(tool, args, nproc=None, check=True, timeout=300, stdin=None, cwd=Non
     ``preloaded``: the processes are forked from :mod:`tests.preloaded`
     (torch and fairseq imported once per pytest worker) with the
     environment torchrun gives its ranks; otherwise they are fresh
-    interpreters, under torchrun when ``check``."""
+    interpreters, under torchrun when ``check``.
+
+    ``read_only``: directories the processes see on a read-only file system
+    (:mod:`tests.preloaded`); the test is skipped where this machine cannot
+    mount them so."""
     module = tool if "." in tool else f"fairseq_cli.{tool}"
+    if read_only and not (preloaded and _Preloaded.usable()):
+        import pytest
+
+        pytest.skip("read-only mounts are made by the preloaded processes, not used here")
     if preloaded and _Preloaded.usable():
-        return _Preloaded.run(module, args, nproc, check, timeout, stdin, cwd)
+        return _Preloaded.run(module, args, nproc, check, timeout, stdin, cwd, [os.fspath(d) for d in read_only])
     cmd = [sys.executable]
     module = ["-m", module] + args
     if nproc and not check:
@@ -262,7 +271,7 @@ class _Preloaded:
         return int(cls.server.stdout.readline())
 
     @classmethod
-    def run(cls, module, args, nproc, check, timeout, stdin, cwd):
+    def run(cls, module, args, nproc, check, timeout, stdin, cwd, read_only=()):
         with tempfile.TemporaryDirectory() as tmp:
             stdin_path = None
             if stdin is not None:
@@ -277,8 +286,8 @@ class _Preloaded:
             for rank, (env, output) in enumerate(zip(envs, outputs)):
                 status = os.path.join(tmp, f"status{rank}")
                 pid = cls._fork({"module": module, "argv": [os.fspath(a) for a in args], "env": env,
-                                 "cwd": os.fspath(cwd or os.getcwd()),
-                                 "stdin": stdin_path, "output": output, "status": status})
+                                 "cwd": os.fspath(cwd or os.getcwd()), "stdin": stdin_path, "output": output,
+                                 "status": status, "read_only": list(read_only)})
                 tasks.append((pid, status))
             codes = cls._wait(tasks, timeout, stop_at_failure=check)
             text = []
@@ -287,6 +296,10 @@ class _Preloaded:
                     text.append(f.read())
         text = "".join(text)
         rc = next((code for code in codes if code != 0), 0)
+        if rc == 77 and READ_ONLY_UNAVAILABLE in text:
+            import pytest
+
+            pytest.skip(text[text.index(READ_ONLY_UNAVAILABLE):].splitlines()[0])
         if check:
             assert rc == 0, text[-4000:]
         return rc, text

@@ -16,7 +16,14 @@ distributed tests.
 Protocol, one JSON object per line on standard input::
 
     {"module": ..., "argv": [...], "env": {...}, "cwd": ..., "stdin": path or null,
-     "output": path, "status": path}
+     "output": path, "status": path, "read_only": [directory, ...]}
+
+``read_only`` (optional): directories the process sees mounted read-only
+(a mount namespace of its own, where each is bind-mounted read-only over
+itself: a read-only file system for that process alone, as a shared model
+directory or a read-only bind mount is). Where that cannot be done (no
+``CAP_SYS_ADMIN``), the process writes ``READ_ONLY_UNAVAILABLE`` and the
+reason to its output and exits with status 77.
 
 answered by the forked process's id on standard output. The process appends
 its standard output and error to ``output`` (several ranks share one file,
@@ -53,6 +60,36 @@ IMPORT_FAIRSEQ_FIRST = {"fairseq_cli.eval_lm", "fairseq_cli.generate", "fairseq_
                         "fairseq_cli.validate", "fairseq_cli.preprocess"}
 
 
+READ_ONLY_UNAVAILABLE = "read-only mounts unavailable here:"
+
+
+def _mount_read_only(directories):
+    """Give this process a mount namespace of its own in which each of
+    ``directories`` is bind-mounted read-only over itself (what ``unshare -m``
+    and ``mount -o remount,ro,bind`` do), its mounts private so that nothing
+    reaches the other processes.
+
+    Raises:
+        OSError: a system call was refused.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newns, ms_rdonly, ms_remount, ms_bind, ms_rec, ms_private = 0x20000, 0x1, 0x20, 0x1000, 0x4000, 0x40000
+
+    def call(rc, what):
+        if rc != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+    call(libc.unshare(clone_newns), "unshare(CLONE_NEWNS)")
+    call(libc.mount(b"none", b"/", None, ms_rec | ms_private, None), "mount --make-rprivate /")
+    for directory in directories:
+        path = os.fsencode(directory)
+        call(libc.mount(path, path, None, ms_bind | ms_rec, None), f"mount --bind {directory}")
+        call(libc.mount(b"none", path, None, ms_remount | ms_bind | ms_rdonly, None), f"remount {directory} ro")
+
+
 def _run(request):
     """In the forked process: run the requested module as ``python -m``; never returns."""
     code = 1
@@ -72,6 +109,13 @@ def _run(request):
         sys.stdin = open(0, "r", closefd=False)
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
+        if request.get("read_only"):
+            try:
+                _mount_read_only(request["read_only"])
+            except OSError as e:
+                print(f"{READ_ONLY_UNAVAILABLE} {e}", file=sys.stderr)
+                code = 77
+                raise SystemExit(77)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         sys.path[0] = os.getcwd()  # as `python -m` puts it
         if request["module"] not in IMPORT_FAIRSEQ_FIRST:

@@ -118,7 +118,8 @@ def encode_files(bpe: GPT2BPE, inputs: Sequence[str], outputs: Sequence[str], ke
                  workers: int = 1) -> Dict[str, float]:
     """Encode ``inputs[i]`` into ``outputs[i]`` ("-" = stdin/stdout); returns counts and timing.
 
-    Outputs are written to ``<name>.tmp`` and renamed at the end.
+    Outputs are written to temporary files of their own and renamed at the end
+    (:func:`output_files.write_whole`).
 
     Raises:
         OSError: a file cannot be read or written.

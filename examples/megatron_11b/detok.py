@@ -65,7 +65,7 @@ def detokenize_lines(lines: List[str], workers: int = 1, progress: bool = True) 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+", help="input files (plain, .gz or .bz2)")
-    parser.add_argument("--output", help="output file (default: stdout); written to .tmp, then renamed")
+    parser.add_argument("--output", help="output file (default: stdout); written to a temporary file, then renamed")
     parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args(argv)
     if args.workers < 1:

@@ -3,6 +3,7 @@ before the work, written whole or not at all."""
 
 import argparse
 import os
+import secrets
 from typing import Sequence
 
 
@@ -22,14 +23,23 @@ def check_output(parser: argparse.ArgumentParser, option: str, path: str, inputs
 
 
 def write_whole(path: str, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` through ``path.tmp``, renamed when
-    complete: a failure (a full disk, say) leaves no half-written file, and
-    an earlier ``path`` as it was.
+    """Write ``text`` (UTF-8) to ``path`` through a temporary file of its own
+    beside it (``<name>.tmp-<random hex>``, created exclusively: never a file
+    that exists, such as an input named ``<name>.tmp``), renamed when
+    complete: a failure (a full disk, say) leaves no half-written file, an
+    earlier ``path`` as it was, and every other file untouched.
 
     Raises:
         OSError: the write or the rename failed (the temporary file is removed).
     """
-    tmp = path + ".tmp"
+    parent, name = os.path.split(os.path.abspath(path))
+    while True:  # fairseq_megatron.files.new_temporary, without importing the package (and fairseq)
+        tmp = os.path.join(parent, f"{name}.tmp-{secrets.token_hex(4)}")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            break
+        except FileExistsError:
+            continue
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)

@@ -14,28 +14,33 @@ parts therefore goes:
    name, then a rename). Its rename is the commit point.
 3. Every rank renames its staged part to ``NAME-model_part-K.pt``.
 
-A reader that finds a manifest (:func:`finish_commit`) first does step 3
-for any staged part still there, then requires every part to carry the
-manifest's token. A kill before the commit point leaves the previous save
-under ``NAME`` (the staged files of the killed save are removed by the next
-save of ``NAME``, :func:`remove_stale`); a kill after it leaves the new
-save, completed by the next reader. Megatron-LM's
+Readers never write (a checkpoint may be on read-only storage, or being
+saved by a training as it is read): a reader that finds a manifest reads
+each part it lists under the staged name where that file is still there
+and under the final name otherwise, and requires every part to carry the
+manifest's token (:mod:`fairseq_megatron.checkpoint.reading`). A kill
+before the commit point leaves the previous save under ``NAME``; a kill
+after it leaves the new save, readable through the names its manifest
+records. The writer, the next save of ``NAME``, discards what a killed save
+left (:func:`remove_stale`) and replaces the unfinished one. Megatron-LM's
 ``latest_checkpointed_iteration.txt`` plays the manifest's part there.
 
 Checkpoints without a manifest (one part, older runs, the published
 Megatron-11b) are read as before; their parts are compared by update count
-(:func:`fairseq_megatron.checkpoint.part_files.check_one_save`).
+and save token (:func:`fairseq_megatron.checkpoint.part_files.check_one_save`).
 """
 
 import glob
 import json
 import os
+import re
 import uuid
 from typing import List, Optional
 
 from fairseq_megatron.checkpoint.layout import CheckpointError
 
 MANIFEST_SUFFIX = ".manifest.json"
+_TOKEN = re.compile(r"[0-9a-f]{32}")  # new_token's: a uuid4 in hex
 
 
 def new_token() -> str:
@@ -55,32 +60,35 @@ def manifest_path(checkpoint: str) -> str:
 
 def write_manifest(checkpoint: str, token: str, updates: int, parts: List[str]) -> None:
     """Commit the save ``token`` of ``checkpoint``: its manifest, listing
-    ``parts`` (their final names), written under a temporary name and
-    renamed (the rename is the commit point).
+    ``parts`` (their final names), written under a temporary name of its
+    own and renamed (the rename is the commit point).
 
     Raises:
         OSError: the write failed (the temporary file is removed).
     """
-    path = manifest_path(checkpoint)
-    partial = f"{path}.tmp-{os.getpid()}"
+    from fairseq_megatron.files import written_whole
+
     record = {"token": token, "updates": updates, "parts": [os.path.basename(p) for p in parts]}
-    try:
+    with written_whole(manifest_path(checkpoint)) as partial:
         with open(partial, "w") as f:
             json.dump(record, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
 
 
 def read_manifest(checkpoint: str) -> Optional[dict]:
-    """The manifest of ``checkpoint``, or None where it has none.
+    """The manifest of ``checkpoint``, or None where it has none. Its token
+    must be one :func:`new_token` draws, and each name it lists a plain file
+    name (``os.path.basename``'s, no directory in it) of a part of
+    ``checkpoint``: the parts are read in ``checkpoint``'s own directory,
+    under those names and their staged names, and nowhere else.
 
     Raises:
-        CheckpointError: the manifest cannot be read.
+        CheckpointError: the manifest cannot be read, or is not one that
+            :func:`write_manifest` writes for ``checkpoint``.
     """
+    from fairseq_megatron.checkpoint.part_files import checkpoint_of_part
+
     path = manifest_path(checkpoint)
     try:
         with open(path) as f:
@@ -89,8 +97,18 @@ def read_manifest(checkpoint: str) -> Optional[dict]:
         return None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read {path}: {e}") from None
-    if not isinstance(record, dict) or not isinstance(record.get("parts"), list) or "token" not in record:
+    if not isinstance(record, dict) or not isinstance(record.get("parts"), list) or not record["parts"]:
         raise CheckpointError(f"{path} is not a checkpoint manifest")
+    token = record.get("token")
+    if not isinstance(token, str) or not _TOKEN.fullmatch(token):
+        raise CheckpointError(f"{path} is not a checkpoint manifest: its token {token!r} is not a save's")
+    directory = os.path.dirname(checkpoint)
+    for name in record["parts"]:
+        plain = isinstance(name, str) and name == os.path.basename(name) and name not in ("", ".", "..") and \
+            "\0" not in name and not (os.altsep and os.altsep in name)
+        if not plain or checkpoint_of_part(os.path.join(directory, name)) != checkpoint:
+            raise CheckpointError(f"{path} is not a checkpoint manifest: it lists {name!r}, which is not the name of "
+                                  f"a part file of {checkpoint} in its directory")
     return record
 
 
@@ -99,24 +117,6 @@ def saved_token(state: dict) -> Optional[str]:
     extra_state = state.get("extra_state") if isinstance(state, dict) else None
     save = (extra_state or {}).get("save")
     return save.get("token") if isinstance(save, dict) else None
-
-
-def finish_commit(checkpoint: str) -> Optional[dict]:
-    """Complete the renames of a committed save of ``checkpoint`` that a kill
-    interrupted (step 3 of the module docstring), and return its manifest;
-    None where ``checkpoint`` has no manifest. Several processes may run
-    this at once: a part another process renamed first is left as it is."""
-    manifest = read_manifest(checkpoint)
-    if manifest is None:
-        return None
-    directory = os.path.dirname(checkpoint)
-    for name in manifest["parts"]:
-        part = os.path.join(directory, name)
-        try:
-            os.replace(staged_name(part, manifest["token"]), part)
-        except FileNotFoundError:
-            pass  # renamed already
-    return manifest
 
 
 def check_tokens(checkpoint: str, manifest: dict, files: List[str], tokens: List[Optional[str]]) -> None:
@@ -133,7 +133,10 @@ def check_tokens(checkpoint: str, manifest: dict, files: List[str], tokens: List
 
 
 def remove_stale(part: str, token: str) -> None:
-    """Remove the staged files of part file ``part`` left by saves other than ``token`` (killed ones)."""
+    """Remove the staged files of part file ``part`` left by saves other
+    than ``token`` (killed ones, or one whose renames a kill interrupted):
+    the writer's job, at its next save of the name."""
     for path in glob.glob(glob.escape(part) + ".staged-*"):
-        if not path.endswith(token):
+        other = path[len(part) + len(".staged-"):]
+        if other != token and _TOKEN.fullmatch(other):
             os.remove(path)

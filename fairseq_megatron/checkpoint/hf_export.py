@@ -25,8 +25,15 @@ the GPT-2 BPE files, a tokenizer (:mod:`.hf_tokenizer`).
 Memory: the parts are merged one layer at a time (memory-mapped, as
 :mod:`.resharding` reads them) and each shard is written and dropped as soon
 as it is full, so the peak is about one shard plus one layer. Everything is
-written into ``<output>.tmp`` and renamed to ``<output>`` at the end: an
-interrupted export leaves no half-written model under the output's name.
+written into a new directory of its own beside the output
+(``<output>.tmp-<random hex>``, :func:`~fairseq_megatron.files.new_temporary`)
+and renamed to ``<output>`` at the end: an interrupted export leaves no
+half-written model under the output's name, and removes nothing it did not
+create.
+
+A pipelined checkpoint is exported as its stages merged into one model
+(:func:`~fairseq_megatron.checkpoint.resharding.merge_stages`), its output
+projection tied to the embedding where it was trained so.
 """
 
 import json
@@ -47,6 +54,7 @@ from fairseq_megatron.checkpoint.resharding import (
     tensor_checksum,
 )
 from fairseq_megatron.errors import UsageError, check_directory_can_be_made
+from fairseq_megatron.files import new_temporary
 
 # transformers' default shard size before version 5 (5 GB); a shard holds whole tensors.
 MAX_SHARD_BYTES = 5 * 10**9
@@ -63,21 +71,35 @@ _DROPPED = ("decoder.version", "decoder.embed_positions._float_tensor")
 def require_transformers():
     """Import transformers and safetensors, or say how to install them.
 
-    A torchaudio that is installed but cannot load (fairseq requires
-    torchaudio, and pip may pick one built for another torch, whose library
-    fails with OSError) is marked absent first: transformers imports
-    torchaudio whenever it finds the package, and would fail the same way.
+    transformers imports torchaudio whenever the package is installed, and
+    fairseq requires torchaudio: pip may pick one built for another torch,
+    whose library then fails to load (``OSError``), and so would every
+    ``from_pretrained`` of the export in the user's own process. That is
+    refused here, with the fix, before anything is written (``make
+    install`` removes such a torchaudio: fairseq's language models never
+    import it).
 
     Raises:
-        UsageError: transformers or safetensors is missing.
+        UsageError: transformers or safetensors is missing, or torchaudio
+            is installed and cannot load.
     """
+    import importlib.util
     import sys
 
-    if "torchaudio" not in sys.modules:
+    if "torchaudio" not in sys.modules and importlib.util.find_spec("torchaudio") is not None:
         try:
             import torchaudio  # noqa: F401
-        except (ImportError, OSError):
-            sys.modules["torchaudio"] = None  # importlib.util.find_spec now answers None
+        except (ImportError, OSError) as e:
+            import importlib.metadata
+
+            try:
+                installed = f"torchaudio {importlib.metadata.version('torchaudio')}"
+            except importlib.metadata.PackageNotFoundError:
+                installed = "torchaudio"
+            raise UsageError(f"--to-hf: {installed} is installed and cannot load beside torch "
+                             f"{torch.__version__} ({type(e).__name__}: {str(e).splitlines()[0]}); transformers "
+                             f"imports it whenever it is installed, so the export would not load either: pip "
+                             f"uninstall torchaudio (fairseq's language models do not use it)") from None
     try:
         import safetensors  # noqa: F401
         import transformers
@@ -283,7 +305,7 @@ def export_to_transformers(input_path: str, output_dir: str, dictionary=None, en
     vocab_size = len(dictionary) if dictionary is not None else (config_value(config, "dictionary_size") or rows)
     if vocab_size > rows:
         raise CheckpointError(f"vocab size {vocab_size} is larger than the checkpoint's {rows} rows")
-    tied = "decoder.output_projection.weight" in parts.aliases or "decoder.output_projection.weight" not in parts.keys
+    tied = _tied(parts)
     if bool(config_value(config, "share_decoder_input_output_embed", False)) != tied:
         raise CheckpointError(f"{input_path}: the config says the output projection is "
                               f"{'' if tied else 'not '}tied to the embedding, and the weights say otherwise")
@@ -295,17 +317,19 @@ def export_to_transformers(input_path: str, output_dir: str, dictionary=None, en
         tokenizer = fairseq_gpt2_tokenizer(encoder_json, vocab_bpe, dictionary)
         tokenizer.model_max_length = hf_config["max_position_embeddings"]
 
-    tmp = output_dir.rstrip(os.sep) + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # a killed export's leftovers
-    os.makedirs(tmp)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(output_dir)), exist_ok=True)
+        tmp = new_temporary(output_dir, directory=True)
+    except OSError as e:
+        raise write_error(output_dir, e) from None
     try:
         writer = _ShardWriter(tmp, max_shard_bytes, verify)
         target_dtype = DTYPES[dtype] if dtype else None
         for group in model_part_groups(parts, 0, 1, check_replicas=True):
             for key, tensor in group.items():
                 name = hf_name(key)
-                if name is None:
-                    continue
+                if name is None or (tied and name == "lm_head.weight"):
+                    continue  # tied: XGLM's lm_head is its embedding
                 if target_dtype is None:
                     target_dtype = tensor.dtype  # the checkpoint's: that of its first weight
                     hf_config["dtype"] = str(target_dtype).replace("torch.", "")
@@ -327,10 +351,24 @@ def export_to_transformers(input_path: str, output_dir: str, dictionary=None, en
         os.replace(tmp, output_dir)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # first: the space it took is free again
-        if isinstance(e, (OSError, RuntimeError)) and is_write_failure(e):
+        if is_write_failure(e):
             raise write_error(output_dir, e) from None
         raise
     return output_dir
+
+
+def _tied(parts: PartFiles) -> bool:
+    """Whether the weights tie the output projection to the embedding: it is
+    absent, the same tensor, or (a checkpoint that a resharding to one stage
+    wrote with an earlier release, two copies of one pipelined embedding)
+    equal to it in every part."""
+    projection, embedding = "decoder.output_projection.weight", "decoder.embed_tokens.weight"
+    if projection in parts.aliases or projection not in parts.keys:
+        return True
+    models = parts.models()
+    same = all(torch.equal(m[projection], m[embedding]) for m in models)
+    del models  # unmaps the files
+    return same
 
 
 def _name_the_fast_tokenizer_class(path: str) -> None:

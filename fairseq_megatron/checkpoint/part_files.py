@@ -7,11 +7,12 @@ stage, ``NAME-model_part-K-stage-S.pt`` (at every tensor-parallel size, 1
 included); the stage-0 file then stands for part K in the lists below, and
 :func:`stage_files` gives all of its stages. This module finds the parts of
 a checkpoint saved at any size, checks that none is missing or cut short,
-and names the outputs of a resharding.
+and names the outputs of a resharding. A checkpoint with a manifest
+(:mod:`.commit`) has the files its manifest lists, each under its final or
+its staged name; :mod:`.reading` opens them as one save.
 """
 
 import errno
-import functools
 import glob
 import logging
 import os
@@ -20,7 +21,7 @@ import shutil
 import zipfile
 from typing import List, Optional
 
-from fairseq_megatron.checkpoint.commit import check_tokens, finish_commit, read_manifest, saved_token
+from fairseq_megatron.checkpoint.commit import check_tokens, manifest_path, read_manifest, saved_token, staged_name
 from fairseq_megatron.checkpoint.layout import CheckpointError
 from fairseq_megatron.errors import check_directory_can_be_made
 
@@ -30,6 +31,7 @@ STAGE_SUFFIX = "-stage-{}"
 SKIP_INTEGRITY_CHECK = "FAIRSEQ_MEGATRON_SKIP_INTEGRITY_CHECK"
 
 logger = logging.getLogger(__name__)
+_READ = object()  # a manifest argument not given: read it from disk
 
 
 def part_path(path: str, rank: int) -> str:
@@ -92,25 +94,40 @@ def _stages_on_disk(path: str) -> dict:
     return {k: sorted(v) for k, v in found.items()}
 
 
-def stage_files(part: str) -> List[str]:
+def _manifest_of(checkpoint: Optional[str], manifest) -> Optional[dict]:
+    """``manifest`` where given (None: known to have none), else checkpoint ``checkpoint``'s, read."""
+    if manifest is not _READ:
+        return manifest
+    return read_manifest(checkpoint) if checkpoint else None
+
+
+def stage_files(part: str, manifest=_READ) -> List[str]:
     """The files of the tensor part that ``part`` (from :func:`find_part_files`,
     which checked that no stage is missing) names, stage by stage: ``[part]``
-    for a part without stages, all stages of a stage-0 file."""
+    for a part without stages, all stages of a stage-0 file (those the
+    checkpoint's ``manifest`` lists, where it has one: read unless given)."""
     m = _PART_NAME.fullmatch(part)
     if not m or m.group(3) is None:
         return [part]
     checkpoint, rank = m.group(1) + ".pt", int(m.group(2))
+    manifest = _manifest_of(checkpoint, manifest)
+    if manifest is not None:
+        directory = os.path.dirname(checkpoint)
+        listed = [os.path.join(directory, name) for name in manifest["parts"]]
+        return [f for f in listed if int(_PART_NAME.fullmatch(f).group(2)) == rank]
     return [stage_path(checkpoint, rank, s) for s in _stages_on_disk(checkpoint).get(rank, [])]
 
 
-def all_files(files: List[str]) -> List[str]:
+def all_files(files: List[str], manifest=_READ) -> List[str]:
     """Every file of the parts ``files`` (:func:`find_part_files`), each part's stages in turn."""
-    return [f for part in files for f in stage_files(part)]
+    if files and manifest is _READ:
+        manifest = _manifest_of(checkpoint_of_part(files[0]), manifest)
+    return [f for part in files for f in stage_files(part, manifest)]
 
 
-def pipeline_stages_of(files: List[str]) -> int:
+def pipeline_stages_of(files: List[str], manifest=_READ) -> int:
     """The number of pipeline stages of the parts ``files`` (1 without stages)."""
-    return len(stage_files(files[0])) if files else 1
+    return len(stage_files(files[0], manifest)) if files else 1
 
 
 def _part_ranks(path: str) -> List[int]:
@@ -123,32 +140,32 @@ def _part_ranks(path: str) -> List[int]:
     return sorted(int(tail) for tail in tails if tail.isdigit())
 
 
-def find_part_files(path: str) -> List[str]:
+def find_part_files(path: str, manifest=_READ) -> List[str]:
     """The part files of checkpoint ``path`` (the ``--path`` given to fairseq), in rank order.
 
     A checkpoint saved at model-parallel size 1 is the file itself (the only
     kind a name not ending in ``.pt`` can name: fairseq's part names replace
-    the ``.pt``).
-
-    A save of the parts that was killed after its commit point is first
-    completed (:func:`fairseq_megatron.checkpoint.commit.finish_commit`).
+    the ``.pt``). A checkpoint with a manifest (``manifest``: read unless
+    given; None for none) has the files it lists, each of them on disk under
+    its final name or, where a kill interrupted the save's renames, its
+    staged name (which the readers of :mod:`.reading` read). Reads the
+    directory and the manifest only; writes nothing.
 
     Raises:
         FileNotFoundError: neither ``path`` nor any ``<path>-model_part-K.pt`` exists.
         CheckpointError: ``path`` is a directory, the part numbers have a
-            gap, or ``path`` and part files both exist (checkpoints of two
-            sizes under one name: which one was meant cannot be told).
+            gap, a file the manifest lists is missing, or ``path`` and part
+            files both exist (checkpoints of two sizes under one name: which
+            one was meant cannot be told).
     """
     if os.path.isdir(path):
         raise CheckpointError(f"{path} is a directory, not a checkpoint: name a checkpoint in it, such as "
                               f"{os.path.join(path, 'checkpoint_best.pt')}")
-    if path.endswith(".pt"):
-        try:
-            finish_commit(path)  # a save killed after its commit point: its renames done here
-        except OSError as e:
-            raise CheckpointError(f"cannot complete the save of {path} that its manifest records: {e}") from None
     ranks = _part_ranks(path)
     staged = _stages_on_disk(path)
+    manifest = _manifest_of(path if path.endswith(".pt") else None, manifest)
+    if manifest is not None:
+        return _files_of_manifest(path, manifest, ranks, staged)
     if staged:
         if ranks or os.path.exists(path):
             other = part_path(path, ranks[0]) if ranks else path
@@ -169,6 +186,33 @@ def find_part_files(path: str) -> List[str]:
     if missing:
         raise CheckpointError(f"model part file {part_path(path, missing[0])} is missing")
     return [part_path(path, r) for r in ranks]
+
+
+def _files_of_manifest(path: str, manifest: dict, ranks: List[int], staged: dict) -> List[str]:
+    """:func:`find_part_files` of a checkpoint whose ``manifest`` lists its
+    files (``ranks``, ``staged``: the part and stage files on disk under
+    their final names). The manifest must list the files of one layout, as
+    :func:`output_paths` names them, and every one must be on disk (final or
+    staged); files under the name that it does not list are of another save
+    or layout."""
+    directory = os.path.dirname(path)
+    listed = [os.path.join(directory, name) for name in manifest["parts"]]
+    parts = len({_PART_NAME.fullmatch(f).group(2) for f in listed})  # read_manifest checked the names
+    stages = len(listed) // parts
+    if listed != output_paths(path, parts, stages):
+        raise CheckpointError(f"{manifest_path(path)} is not a checkpoint manifest: its files "
+                              f"{', '.join(manifest['parts'])} are not the parts of one layout")
+    for f in listed:
+        if not os.path.exists(f) and not os.path.exists(staged_name(f, manifest["token"])):
+            raise CheckpointError(f"model part file {f} is missing: {manifest_path(path)} lists it, and neither it "
+                                  f"nor {os.path.basename(staged_name(f, manifest['token']))} exists")
+    on_disk = ([path] if os.path.exists(path) else []) + [part_path(path, r) for r in ranks] + [
+        stage_path(path, r, s) for r, stages_of_r in staged.items() for s in stages_of_r]
+    others = [f for f in on_disk if f not in listed]
+    if others:
+        raise CheckpointError(f"{others[0]} exists beside the save that {manifest_path(path)} records, which does not "
+                              f"list it: a file of another save or layout under the name; move it away")
+    return listed[::stages]
 
 
 def _stage_zero_files(path: str, staged: dict) -> List[str]:
@@ -230,62 +274,80 @@ def _saved_state(path: str) -> Optional[dict]:
     """Checkpoint file ``path`` read through a memory map, its tensors left on
     disk; None for a file in the legacy format or one torch cannot read (the
     load that follows reports it)."""
-    import torch
+    from fairseq_megatron.checkpoint import safe_loading
 
     if not can_be_memory_mapped(path):
         return None
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        return safe_loading.load(path, mmap=True)
+    except CheckpointError:
+        raise  # a refused object, or a pickle that fails its CRC-32
     except Exception:
         return None
 
 
-def check_one_save(files: List[str], states: Optional[List[dict]] = None) -> None:
-    """Raise CheckpointError where the part files ``files`` of one checkpoint
-    are not of the save their manifest records
-    (:mod:`fairseq_megatron.checkpoint.commit`), or, without a manifest,
-    were saved at different updates: a save interrupted between its parts,
-    or parts of two runs put together. Each rank loads only its own part, so
-    nothing else would notice at the size they were saved at (the
-    evaluation is silently of a mix; a resumed run waits forever on a rank
-    that reached --max-update). ``states``: the parts already loaded;
-    otherwise each is read through a memory map, without its tensors (files
-    in torch's legacy format cannot be, and are not compared)."""
-    if len(files) < 2:
+def check_one_save(files: List[str], states: Optional[List[dict]] = None, manifest=_READ) -> None:
+    """Raise CheckpointError where the files ``files`` of one checkpoint
+    (every part and stage) are not of the save their ``manifest`` records
+    (:mod:`fairseq_megatron.checkpoint.commit`; read unless given, None for
+    none), or, without a manifest, were saved at different updates or by
+    different saves (the token each part of a save in parts records): a
+    save interrupted between its parts, or parts of two runs put together.
+    Each rank loads only its own part, so nothing else would notice at the
+    size they were saved at (the evaluation is silently of a mix; a resumed
+    run waits forever on a rank that reached --max-update). ``states``: the
+    files already loaded (without their tensors); otherwise each is read
+    through a memory map, without its tensors (files in torch's legacy
+    format cannot be, and are not compared)."""
+    checkpoint = checkpoint_of_part(files[0]) if files else None
+    manifest = _manifest_of(checkpoint, manifest)
+    if len(files) < 2 and manifest is None:
         return
     states = states if states is not None else [_saved_state(f) for f in files]
-    checkpoint = checkpoint_of_part(files[0]) or files[0]
-    manifest = read_manifest(checkpoint)
     if manifest is not None:
         check_tokens(checkpoint, manifest, files, [saved_token(state) if state else None for state in states])
         return
     updates = [update_count(state) if state else None for state in states]
+    tokens = [saved_token(state) if state else None for state in states]
+    name = checkpoint or files[0]
     if len({u for u in updates if u is not None}) > 1:
         saved = ", ".join(f"{os.path.basename(f)} at update {u}" for f, u in zip(files, updates) if u is not None)
-        raise CheckpointError(f"the model parts of {checkpoint_of_part(files[0]) or files[0]} are not one save: "
+        raise CheckpointError(f"the model parts of {name} are not one save: "
                               f"{saved} (a save interrupted between its parts, or parts of two runs)")
+    if len({t for t in tokens if t is not None}) > 1:
+        saved = ", ".join(f"{os.path.basename(f)} of save {t[:8]}" for f, t in zip(files, tokens) if t is not None)
+        raise CheckpointError(f"the model parts of {name} are not one save: {saved}, at the same update (parts of "
+                              f"two runs put together)")
+
+
+def check_whole(path: str, name: Optional[str] = None) -> None:
+    """Raise CheckpointError for checkpoint file ``path`` (named ``name``)
+    cut short (a copy or save that stopped early): a zip archive, torch's
+    format since 1.6, whose directory, written last, is missing; or an
+    empty file. Reads only its start and end."""
+    name = name or path
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not head:
+        raise CheckpointError(f"{name} is empty")
+    if head == b"PK\x03\x04" and not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{name} is truncated: the zip archive's directory, which torch writes last, "
+                              f"is missing (was the file still being saved or copied?)")
 
 
 def check_complete(files: List[str]) -> None:
-    """Raise CheckpointError for a checkpoint file cut short (a copy or save
-    that stopped early): a zip archive, torch's format since 1.6, whose
-    directory, written last, is missing; or an empty file; and for parts
-    that are not one save (:func:`check_one_save`). Reads only the start
-    and end of each file and its pickled structure, so every rank can check
-    every part before any of them loads one."""
+    """Raise CheckpointError for a file of the parts ``files`` cut short
+    (:func:`check_whole`), and for parts that are not one save
+    (:func:`check_one_save`), reading the files under their final names
+    (:func:`fairseq_megatron.checkpoint.reading.open_save` opens a save's
+    files once and reads them as opened, for the tools)."""
     files = all_files(files)
     for path in files:
-        with open(path, "rb") as f:
-            head = f.read(4)
-        if not head:
-            raise CheckpointError(f"{path} is empty")
-        if head == b"PK\x03\x04" and not zipfile.is_zipfile(path):
-            raise CheckpointError(f"{path} is truncated: the zip archive's directory, which torch writes last, "
-                                  f"is missing (was the file still being saved or copied?)")
+        check_whole(path)
     check_one_save(files)
 
 
-def check_integrity(path: str) -> bool:
+def check_integrity(path: str, name: Optional[str] = None) -> bool:
     """Read checkpoint file ``path`` whole and check every record of its zip
     archive against the CRC-32 that ``torch.save`` stored: flipped bits are
     otherwise loaded as weights (the cost of that read:
@@ -296,7 +358,8 @@ def check_integrity(path: str) -> bool:
     are logged as unchecked. A file checked once is not read again while
     its size and modification time stay the same. Skipped, returning False,
     where the environment variable ``FAIRSEQ_MEGATRON_SKIP_INTEGRITY_CHECK``
-    is 1.
+    is 1. ``name``: the file's name in messages (``path`` may be an open
+    file's ``/proc/self/fd/N``, :mod:`.reading`).
 
     Raises:
         CheckpointError: a record's bytes do not match its CRC-32.
@@ -304,19 +367,25 @@ def check_integrity(path: str) -> bool:
     if os.environ.get(SKIP_INTEGRITY_CHECK) == "1":
         return False
     stat = os.stat(path)
-    return _checked(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+    key = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    if key not in _CHECKED:
+        _CHECKED[key] = _checked(path, name or path)
+    return _CHECKED[key]
 
 
-@functools.lru_cache(maxsize=None)
-def _checked(path: str, size: int, mtime_ns: int) -> bool:
+# The outcome for each file checked in this process, by (device, inode, size, mtime).
+_CHECKED: dict = {}
+
+
+def _checked(path: str, name: str) -> bool:
     with open(path, "rb") as f:
         zip_archive = f.read(4) == b"PK\x03\x04"
     if not zip_archive:
-        logger.warning(f"{path}: saved by PyTorch before 1.6, a format without checksums: its integrity "
+        logger.warning(f"{name}: saved by PyTorch before 1.6, a format without checksums: its integrity "
                        f"cannot be checked")
         return False
     if not zipfile.is_zipfile(path):
-        return False  # truncated: reported by check_complete, or by the load
+        return False  # truncated: reported by the reader's checks (reading.open_save), or by the load
     unchecked = 0
     with zipfile.ZipFile(path) as archive:
         for record in archive.infolist():
@@ -328,19 +397,24 @@ def _checked(path: str, size: int, mtime_ns: int) -> bool:
                     while f.read(64 << 20):
                         pass
             except zipfile.BadZipFile:
-                raise CheckpointError(f"{path} is corrupted: its record {record.filename} does not match the "
+                raise CheckpointError(f"{name} is corrupted: its record {record.filename} does not match the "
                                       f"CRC-32 stored when it was saved (the file changed since)") from None
     if unchecked:
-        logger.warning(f"{path}: {unchecked} record(s) saved without a CRC-32: their integrity cannot be checked")
+        logger.warning(f"{name}: {unchecked} record(s) saved without a CRC-32: their integrity cannot be checked")
     return unchecked == 0
 
 
 def is_write_failure(error: BaseException) -> bool:
     """Whether ``error``, raised while a checkpoint was written, is the file
-    system's: an OSError, or torch's zip writer reporting a short write
-    (a full disk reaches it as "unexpected pos ..." or "file write failed")."""
+    system's: an OSError, torch's zip writer reporting a short write (a full
+    disk reaches it as "unexpected pos ..." or "file write failed"), or
+    safetensors' writer reporting an I/O error (``SafetensorError: Error
+    while serializing: I/O error: No space left on device (os error 28)``;
+    ``IoError(...)`` in older releases)."""
+    said = str(error)
     return isinstance(error, OSError) or (isinstance(error, RuntimeError) and any(
-        said in str(error) for said in ("unexpected pos", "file write failed", "PytorchStreamWriter failed")))
+        s in said for s in ("unexpected pos", "file write failed", "PytorchStreamWriter failed"))) or (
+        type(error).__name__ == "SafetensorError" and any(s in said for s in ("I/O error", "IoError")))
 
 
 def write_error(path: str, error: BaseException, needed: Optional[int] = None) -> CheckpointError:
@@ -348,7 +422,8 @@ def write_error(path: str, error: BaseException, needed: Optional[int] = None) -
     had to hold, where known), for the caller to raise once the partial file
     is removed: a full disk is named as such, with the bytes free there."""
     free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
-    full = (isinstance(error, OSError) and error.errno == errno.ENOSPC) or (needed is not None and free < needed)
+    full = (isinstance(error, OSError) and error.errno == errno.ENOSPC) or (needed is not None and free < needed) or (
+        not isinstance(error, OSError) and os.strerror(errno.ENOSPC) in str(error))  # safetensors' IoError
     reason = os.strerror(errno.ENOSPC) if full else f"{type(error).__name__}: {error}"
     amounts = f"{_amount(needed)} to write, " if needed is not None else ""
     return CheckpointError(f"cannot write {path}: {reason} ({amounts}{_amount(free)} free there); "

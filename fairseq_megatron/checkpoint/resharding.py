@@ -16,11 +16,15 @@ built and written one at a time. Peak RSS is about one output part plus one
 layer of the input (see ``scripts/benchmark_reshard.py``). Files in torch's
 legacy format (before PyTorch 1.6) cannot be mapped and are read whole.
 
-Safety: inputs are never overwritten; every output is written to
-``<name>.tmp``, verified by re-reading it and comparing a checksum per tensor
-(``verify=True``), then renamed, the parts of one output once all of them are
-written: a failure (a full disk is one line with the bytes to write and the
-bytes free) leaves no output and no temporary file.
+Safety: inputs are never overwritten, nor written: they are opened once
+(:func:`~fairseq_megatron.checkpoint.reading.open_save`) and read through
+those descriptors, as they were when opened, also while a training saves the
+checkpoint again. Every output is written to a temporary file of its own
+(:func:`~fairseq_megatron.files.new_temporary`), verified by re-reading it
+and comparing a checksum per tensor (``verify=True``), then renamed, the
+parts of one output once all of them are written: a failure (a full disk is
+one line with the bytes to write and the bytes free) leaves no output and no
+temporary file.
 
 How each tensor is split is read from the parameters of the model the
 checkpoint's config describes, built on the ``meta`` device
@@ -47,20 +51,20 @@ from fairseq_megatron.checkpoint.layout import (
     slice_for_part,
     tied_keys,
 )
+from fairseq_megatron.checkpoint import safe_loading
 from fairseq_megatron.checkpoint.part_files import (
-    all_files,
     can_be_memory_mapped,
     check_integrity,
     check_one_save,
     check_output_name,
-    find_part_files,
-    output_paths,
     is_write_failure,
+    output_paths,
     part_path,
-    pipeline_stages_of,
-    stage_files,
+    stage_path,
     write_error,
 )
+from fairseq_megatron.checkpoint.reading import OpenedSave, open_save, source_of
+from fairseq_megatron.files import new_temporary
 
 EMBED_KEYS = ("decoder.embed_tokens.weight", "decoder.output_projection.weight")
 # The entries of ``extra_state`` that fairseq-train ``--store-ema`` writes
@@ -175,15 +179,24 @@ def check_divisible(config, padded_vocab_size: int, size: int) -> None:
 # ------------------------------------------------------------------ reading
 
 
-def _load(path: str, mmap: bool = True) -> dict:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-    except Exception as e:  # truncated zip, not a torch file, ...
-        raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from None
-    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
-        raise CheckpointError(f"{path} is not a fairseq checkpoint (no 'model' entry)")
-    return state
+def _load(path: str, mmap: bool = True, name: Optional[str] = None) -> dict:
+    """Checkpoint file ``path`` (named ``name`` in messages), read without
+    running code (:func:`~fairseq_megatron.checkpoint.safe_loading.load`).
 
+    Raises:
+        CheckpointError: unreadable (truncated, not a torch file), an
+            object the loader refuses, or not a fairseq checkpoint.
+    """
+    name = name or path
+    try:
+        state = safe_loading.load(path, name, mmap=mmap)
+    except CheckpointError:
+        raise
+    except Exception as e:  # truncated zip, not a torch file, ...
+        raise CheckpointError(f"cannot read {name}: {type(e).__name__}: {e}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise CheckpointError(f"{name} is not a fairseq checkpoint (no 'model' entry)")
+    return state
 
 
 def merge_stages(states: List[dict], files: List[str]) -> dict:
@@ -192,8 +205,11 @@ def merge_stages(states: List[dict], files: List[str]) -> dict:
     weights (where every stage holds them) are the union of the stages',
     in stage order; everything else is stage 0's, its config recording one
     stage. Keys held by two stages (the tied embedding's copy on the last,
-    ``decoder.version``) are checked to be equal. A single state is
-    returned as it is.
+    ``decoder.version``) are checked to be equal, and a key that is the
+    same tensor as another on its stage (the last stage's output projection
+    tied to its copy of the embedding) is the same tensor in the merged
+    dict: the checkpoint of one stage it makes is tied as a one-stage
+    training saves it. A single state is returned as it is.
 
     Raises:
         CheckpointError: the stages disagree on a key both hold.
@@ -209,6 +225,9 @@ def merge_stages(states: List[dict], files: List[str]) -> dict:
                 if k in out and not _is_buffer(k) and not _same_values(out[k], v):
                     raise CheckpointError(f"{f} holds {k} with other values than {files[0]}'s stage")
                 out.setdefault(k, v)
+        for d in dicts:
+            for key, target in tied_keys(d).items():
+                out[key] = out[target]
         return out
 
     merged["model"] = union([s["model"] for s in states])
@@ -224,12 +243,13 @@ def saved_vocabulary(path: str) -> Tuple[Optional[int], Optional[int]]:
     """``(rows, dictionary_size)`` of checkpoint file ``path``: the rows of its
     token embedding (one model part: the padded vocabulary divided by the
     size it was saved at) and the dictionary size its config records, read
-    through a memory map without loading the tensors. Each is None when
-    unknown: a file in the legacy format, without that tensor, or saved
-    before the dictionary size was recorded."""
-    if not can_be_memory_mapped(path):
+    through a memory map without loading the tensors (through its source,
+    a :class:`~fairseq_megatron.checkpoint.reading.ReadThrough`'s). Each is
+    None when unknown: a file in the legacy format, without that tensor, or
+    saved before the dictionary size was recorded."""
+    if not can_be_memory_mapped(source_of(path)):
         return None, None
-    state = _load(path)
+    state = _load(source_of(path), name=path)
     embedding = state["model"].get(EMBED_KEYS[0])
     return (None if embedding is None else embedding.size(0),
             config_value(model_config(state), "dictionary_size"))
@@ -243,16 +263,22 @@ def read_checkpoint(path: str) -> dict:
         CheckpointError: unreadable (truncated, not a torch file) or not a
             fairseq checkpoint.
     """
-    return _load(path, mmap=can_be_memory_mapped(path))
+    return _load(source_of(path), mmap=can_be_memory_mapped(source_of(path)), name=path)
 
 
-def check_part_count(path: str, files: List[str], first: Optional[dict] = None) -> None:
+def check_part_count(path: str, files: List[str], first: Optional[dict] = None, stages: int = 1) -> None:
     """Raise CheckpointError where ``files`` (from :func:`find_part_files`)
     are not as many as the model-parallel size checkpoint ``path`` records
-    (read from ``files[0]``, or ``first``, its loaded state): its last parts
-    were lost, which the part numbers alone cannot show."""
+    (read from ``files[0]``, or ``first``, its loaded state, its stages not
+    merged), or their ``stages`` (the pipeline stages found) not as many as
+    it records: its last parts, or the last stage of every part, were lost,
+    which the file numbers alone cannot show."""
     if first is None:
         first = read_checkpoint(files[0])
+    recorded_stages = int(config_value(model_config(first), "pipeline_model_parallel_size", 1) or 1)
+    if recorded_stages > stages:
+        raise CheckpointError(f"pipeline stage file {stage_path(path, 0, stages)} is missing: {path} was saved in "
+                              f"{recorded_stages} pipeline stages")
     recorded = int(config_value(model_config(first), "model_parallel_size", 1) or 1)
     if files[0] != path and recorded > len(files):
         raise CheckpointError(
@@ -278,23 +304,29 @@ class PartFiles:
     kept (their model state dicts, and with ``with_optimizer`` their whole
     checkpoints), so memory then holds the input.
 
+    The files are opened once (:func:`~fairseq_megatron.checkpoint.reading.open_save`,
+    or ``opened``, already opened) and every read goes through those
+    descriptors: a training that saves the checkpoint again meanwhile
+    changes nothing that is read.
+
     Raises (on construction):
         FileNotFoundError / CheckpointError: missing, truncated, corrupted
             (:func:`check_integrity`) or foreign files; parts of different
-            saves or with different tensors; a part count that differs from
-            the model-parallel size the checkpoint records.
+            saves or with different tensors; a part or stage count that
+            differs from the one the checkpoint records.
     """
 
-    def __init__(self, path: str, with_optimizer: bool = False):
+    def __init__(self, path: str, with_optimizer: bool = False, opened: Optional[OpenedSave] = None):
         self.path = path
-        self.files = find_part_files(path)
-        self.stages = pipeline_stages_of(self.files)
-        every_file = all_files(self.files)
+        self.opened = opened or open_save(path)
+        self.files, self.stages = self.opened.files, self.opened.stages
+        every_file = self.opened.every_file
         for f in every_file:
-            check_integrity(f)
-        self.mmap = all(can_be_memory_mapped(f) for f in every_file)
-        loaded_files = [_load(f, self.mmap) for f in every_file]
-        check_one_save(every_file, loaded_files)
+            check_integrity(self.opened.source(f), f)
+        self.mmap = all(can_be_memory_mapped(self.opened.source(f)) for f in every_file)
+        loaded_files = [_load(self.opened.source(f), self.mmap, f) for f in every_file]
+        check_one_save(every_file, loaded_files, self.opened.manifest)
+        check_part_count(path, self.files, loaded_files[0], self.stages)  # before merging: the stages recorded
         loaded = [merge_stages(loaded_files[i: i + self.stages], every_file[i: i + self.stages])
                   for i in range(0, len(every_file), self.stages)]
         first = loaded[0]
@@ -317,7 +349,6 @@ class PartFiles:
         del loaded, loaded_files
         self.metadata = {k: v for k, v in first.items() if k != "model"}
         self.aliases = tied_keys(first["model"])
-        check_part_count(path, self.files, first)
         self.padded_vocab_size = first["model"]["decoder.embed_tokens.weight"].size(0) * len(self.files)
         # how each tensor is split: what the parameters of the model the config describes say
         self.dims = partition_dims(model_config(first), self.padded_vocab_size)
@@ -335,7 +366,8 @@ class PartFiles:
         """Every part's checkpoint dict (its stages merged), tensors memory-mapped."""
         if self._kept is not None:
             return list(self._kept)
-        return [merge_stages([_load(f) for f in files], files) for files in map(stage_files, self.files)]
+        return [merge_stages([_load(self.opened.source(f), name=f) for f in files], files)
+                for files in map(self.opened.stage_files, self.files)]
 
     def models(self) -> List[Dict[str, torch.Tensor]]:
         return [state["model"] for state in self.checkpoints()]
@@ -409,9 +441,11 @@ def _verify(path: str, expected: Dict[str, str]) -> None:
 
 
 def save_verified(state: dict, path: str, verify: bool, rename: bool = True) -> str:
-    """Write ``state`` to ``path.tmp``, optionally verify it, rename it to
-    ``path`` (with ``rename``; else the caller renames it). Returns the
-    path written. Nothing is left under either name when it fails.
+    """Write ``state`` to a temporary file of its own beside ``path``
+    (:func:`~fairseq_megatron.files.new_temporary`), optionally verify it,
+    rename it to ``path`` (with ``rename``; else the caller renames it).
+    Returns the path written. Nothing is left under either name when it
+    fails, and no other file is touched.
 
     Consumes ``state``: it is emptied after writing, so the tensors are freed
     before the file is re-read.
@@ -421,12 +455,15 @@ def save_verified(state: dict, path: str, verify: bool, rename: bool = True) -> 
             :func:`~fairseq_megatron.checkpoint.part_files.write_error`), or
             the verification did.
     """
-    tmp = path + ".tmp"
+    tensors = _checked_tensors(state)
+    expected = {k: tensor_checksum(v) for k, v in tensors.items()} if verify else None
+    needed = sum(t.nbytes for t in tensors.values())
+    del tensors
     try:
-        tensors = _checked_tensors(state)
-        expected = {k: tensor_checksum(v) for k, v in tensors.items()} if verify else None
-        needed = sum(t.nbytes for t in tensors.values())
-        del tensors
+        tmp = new_temporary(path)
+    except OSError as e:
+        raise write_error(path, e, needed) from None
+    try:
         try:
             torch.save(state, tmp)
         except (OSError, RuntimeError) as e:
@@ -632,7 +669,7 @@ def prepare_outputs(input_path: str, output_path: str, outputs: List[str], with_
              parts: Optional[PartFiles] = None) -> PartFiles:
     check_output_name(output_path, outputs)
     parts = parts or PartFiles(input_path, with_optimizer)
-    inputs = {os.path.realpath(f) for f in all_files(parts.files)}
+    inputs = {os.path.realpath(f) for f in parts.opened.every_file}
     for o in outputs:
         if os.path.realpath(o) in inputs:
             raise CheckpointError(f"refusing to overwrite the input {o}")
@@ -654,21 +691,22 @@ def _part_state(parts: PartFiles, rank: int, size: int, check_replicas: bool, wi
     return state
 
 
-def resharded_model(input_path: str, rank: int, size: int,
-                    entry: Optional[str] = None) -> Tuple[Dict[str, torch.Tensor], int]:
+def resharded_model(input_path: str, rank: int, size: int, entry: Optional[str] = None,
+                    opened: Optional[OpenedSave] = None) -> Tuple[Dict[str, torch.Tensor], int]:
     """The model state dict of part ``rank`` of ``size``, built in memory from
     checkpoint ``input_path`` saved at any model-parallel size, and the padded
     vocabulary size a model must be built with to take it (record it with
     :func:`set_model_parallel_size`). The same tensors :func:`reshard` would
     write; nothing is written to disk. Memory: this part's tensors plus one
     memory-mapped layer of the input. ``entry``: one of
-    :data:`EMA_STATE_DICTS` instead of the model's state dict.
+    :data:`EMA_STATE_DICTS` instead of the model's state dict. ``opened``:
+    the checkpoint's files, already opened.
 
     Raises:
         FileNotFoundError / CheckpointError: as :func:`reshard`, or a
             ``rank`` outside ``[0, size)``.
     """
-    parts = PartFiles(input_path)
+    parts = PartFiles(input_path, opened=opened)
     check_divisible(model_config(parts.metadata), parts.padded_vocab_size, size)
     if not 0 <= rank < size:
         raise CheckpointError(f"model part {rank} does not exist at model-parallel size {size}")

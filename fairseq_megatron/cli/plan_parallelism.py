@@ -16,9 +16,9 @@ smallest layout needs), as for a request that allows no layout at all.
 import argparse
 import json
 import math
-import os
 import sys
 
+from fairseq_megatron.files import written_whole
 from fairseq_megatron.planner import (
     ModelShape,
     PlanError,
@@ -112,14 +112,11 @@ def write_png(layouts, path):
     ax.legend()
     plt.xticks(rotation=45, ha="right")
     fig.tight_layout()
-    partial = f"{path}.tmp-{os.getpid()}.png"  # written whole, then renamed over ``path``
     try:
-        fig.savefig(partial)
-        os.replace(partial, path)
+        with written_whole(path, suffix=".png") as partial:  # the format is read from the name
+            fig.savefig(partial)
     finally:
         plt.close(fig)
-        if os.path.exists(partial):
-            os.remove(partial)
 
 
 def main(argv=None) -> int:

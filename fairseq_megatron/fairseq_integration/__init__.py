@@ -19,15 +19,17 @@ is not ours (:mod:`.patching` records each, with its reason;
 - :mod:`.distributed`: the ``mpu`` module fairseq imports, its launch
   (``call_main``) on machines without GPUs and for processes it spawns, and
   gathering on CPU (``all_gather_list``);
-- :mod:`.checkpoint_utils`: trusted loading, checkpoints at another
+- :mod:`.checkpoint_utils`: loading that runs no code, checkpoints at another
   model-parallel size, fine-tuning from part files, saving part files;
 - one module per fairseq tool: :mod:`.train`, :mod:`.eval_lm`,
-  :mod:`.generate`, :mod:`.interactive`;
+  :mod:`.generate`, :mod:`.interactive`; what they check at launch:
+  :mod:`.save_dir` (one fairseq-train per ``--save-dir``, which must be
+  writable) and :mod:`.option_values` (fairseq's own numeric options);
 - :mod:`.one_line_errors`: our bad-input errors as one line
   (``sys.excepthook``).
 
 Two of the replacements change fairseq for every model, because without them
-stock fairseq does not run here at all: trusted checkpoint loading under
+stock fairseq does not run here at all: checkpoint loading under
 torch >= 2.6, and the launch of CPU processes (torchrun, SLURM, spawn).
 Everything else applies to our models, or to runs given ``--user-dir`` of
 this package.

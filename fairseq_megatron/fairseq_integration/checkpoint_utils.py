@@ -3,25 +3,33 @@
 Four functions of fairseq's module are replaced (:func:`install`); each
 calls fairseq's own for anything that is not a checkpoint of our models:
 
-- ``load_checkpoint_to_cpu``: trusted loading. torch >= 2.6 loads with
-  ``weights_only=True``, and fairseq's checkpoints hold argparse and
-  omegaconf objects: every fairseq tool failed on every checkpoint with an
-  UnpicklingError. fairseq's function now loads full pickles, stock
-  fairseq's checkpoints included: without it stock fairseq does not run here
-  at all. **Only load checkpoints you trust** (your own, or the published
-  Megatron-11b files): unpickling can run code. In a fairseq tool run with
-  this plugin, a file that is not a checkpoint is one error line naming it
+- ``load_checkpoint_to_cpu``: loading that runs no code. torch >= 2.6
+  loads with ``weights_only=True``, and fairseq's checkpoints hold
+  ``argparse.Namespace`` objects: every fairseq tool failed on every
+  checkpoint with an UnpicklingError. fairseq's function now loads with the
+  weights-only unpickler and the allowlist of
+  :mod:`fairseq_megatron.checkpoint.safe_loading` (exactly the classes
+  fairseq's checkpoints and ours hold), stock fairseq's checkpoints
+  included, whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says: any other
+  object is one line naming its type, before it runs; a pickle that fails
+  its CRC-32 is not unpickled; ``FAIRSEQ_MEGATRON_TRUST_CHECKPOINTS=1``
+  unpickles in full (with a warning). In a fairseq tool run with this
+  plugin, a file that is not a checkpoint is one error line naming it
   (fairseq: torch's unpickling traceback). It also returns the state a
   :class:`~fairseq_megatron.fairseq_integration.trainer.CheckpointInMemory`
-  name carries.
+  name carries, and reads a
+  :class:`~fairseq_megatron.checkpoint.reading.ReadThrough` name's file as
+  it was opened.
 - ``load_model_ensemble_and_task`` (fairseq-eval-lm, -generate,
   -interactive, -validate, the hub): fairseq loads only the file of its own
   model-parallel size, so a checkpoint saved at another size was "Model file
   not found"; each rank's part is now built in memory from the parts that
   exist (the 8 published Megatron-11b parts on one GPU, say;
   :func:`fairseq_megatron.checkpoint.resharding.resharded_model`), after
-  every rank has checked that no part is cut short (a truncated part made its
-  rank fail inside torch.load while the others reported a lost connection).
+  every rank has opened the files of one save, the same on every rank, and
+  checked that no part is cut short (a truncated part made its rank fail
+  inside torch.load while the others reported a lost connection); nothing
+  is written (:mod:`fairseq_megatron.checkpoint.reading`).
   A part's name given as the checkpoint, and two checkpoints joined as
   ``a.pt:b.pt`` in a tool that scores one model, are one error line each.
 - ``load_checkpoint`` (fairseq-train's start): ``--finetune-from-model
@@ -48,13 +56,12 @@ then started from scratch and fairseq-eval-lm found no file.
 """
 
 import collections
-import contextlib
 import copy
 import logging
 import os
 import re
+import time
 import traceback
-import warnings
 from typing import Optional
 
 import numpy as np
@@ -62,21 +69,21 @@ import torch.distributed as dist
 from fairseq import checkpoint_utils
 from fairseq.file_io import PathManager
 
-from fairseq_megatron.checkpoint import commit
+from fairseq_megatron.checkpoint import commit, safe_loading
 from fairseq_megatron.checkpoint.commit import manifest_path, remove_stale, staged_name, write_manifest
 from fairseq_megatron.checkpoint.layout import CheckpointError
 from fairseq_megatron.checkpoint.part_files import (
     all_files,
     can_be_memory_mapped,
-    check_complete,
     check_integrity,
     checkpoint_of_part,
     find_part_files,
     is_first_file,
     output_paths,
-    pipeline_stages_of,
     write_error,
 )
+from fairseq_megatron.checkpoint.reading import OpenedSave, open_save, source_of
+from fairseq_megatron.files import written_whole
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.fairseq_integration.patching import original, plugin_on_command_line, replace
 from fairseq_megatron.fairseq_integration.trainer import CheckpointInMemory, is_our_model
@@ -99,46 +106,87 @@ def part_name(named_by_fairseq: str, suffix: str) -> str:
 # ------------------------------------------------------------------ reading
 
 
-@contextlib.contextmanager
-def _full_pickles():
-    """``torch.load`` without ``weights_only`` loads full pickles while this
-    runs (torch's own switch, ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``)."""
-    previous = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
-    os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
-            yield
-    finally:
-        if previous is None:
-            del os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"]
-        else:
-            os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = previous
-
-
 def _raised_by_torch_load(error: BaseException) -> bool:
     return any(frame.f_code.co_filename.endswith(os.path.join("torch", "serialization.py"))
                for frame, _ in traceback.walk_tb(error.__traceback__))
 
 
 def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
-    """fairseq's, loading full pickles; the state of a ``CheckpointInMemory``.
+    """fairseq's, without running code: the weights-only unpickler with the
+    allowlist of :mod:`fairseq_megatron.checkpoint.safe_loading` (full
+    pickles with ``FAIRSEQ_MEGATRON_TRUST_CHECKPOINTS=1``), the pickle's
+    CRC-32 checked first; a ``CheckpointInMemory``'s state; a
+    :class:`~fairseq_megatron.checkpoint.reading.ReadThrough`'s file as it
+    was opened.
 
     Raises:
-        CheckpointError: in a fairseq tool run with this plugin, the file
-            cannot be read (not a torch file, cut short in the legacy format).
+        UnsafeCheckpoint: the file holds an object outside the allowlist
+            (one line naming its type; nothing of it was run).
+        CheckpointError: the pickle fails its CRC-32; in a fairseq tool run
+            with this plugin, the file cannot be read (not a torch file, cut
+            short in the legacy format).
     """
     if isinstance(path, CheckpointInMemory):
         return path.state
+    name, source = str(path), source_of(path)
     try:
-        with _full_pickles():
-            return original(checkpoint_utils, "load_checkpoint_to_cpu")(path, arg_overrides, load_on_all_ranks)
+        if os.path.isfile(source):
+            safe_loading.check_pickle_crc(source, name)
+        with safe_loading.loading():
+            return original(checkpoint_utils, "load_checkpoint_to_cpu")(source, arg_overrides, load_on_all_ranks)
     except MemoryError:
         raise
+    except CheckpointError:
+        raise
     except Exception as e:
+        refused = safe_loading.refusal(e, name)
+        if refused is not None:
+            raise refused from None
         if not (plugin_on_command_line() and _raised_by_torch_load(e)):
             raise
-        raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+        raise CheckpointError(f"cannot read {name}: {type(e).__name__}: {e}") from e
+
+
+def open_on_every_rank(path: str) -> OpenedSave:
+    """:func:`~fairseq_megatron.checkpoint.reading.open_save` of checkpoint
+    ``path`` on every rank of the run, the same save on all: each rank opens
+    the files itself, and a training that saves the checkpoint meanwhile can
+    give two ranks two saves (each rank would load its part of another), so
+    the ranks compare what they opened and open again until they agree.
+
+    Raises:
+        FileNotFoundError / CheckpointError: as ``open_save``, on every rank
+            (the message of the first rank that failed).
+        ChangedWhileRead: the ranks opened different saves every time.
+    """
+    from fairseq_megatron.checkpoint.reading import ATTEMPTS, ChangedWhileRead
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    for attempt in range(ATTEMPTS):
+        opened, error = None, None
+        try:
+            opened = open_save(path)
+        except Exception as e:
+            error = e
+        if world == 1:
+            if error is not None:
+                raise error
+            return opened
+        found = [None] * world
+        dist.all_gather_object(found, (None if opened is None else opened.identity(),
+                                       None if error is None else str(error)))
+        if error is not None:
+            raise error
+        failed = [said for _, said in found if said is not None]
+        if failed:
+            raise CheckpointError(failed[0])
+        if len({identity for identity, _ in found}) == 1:
+            return opened
+        opened.close()
+        time.sleep(0.01 * (attempt + 1))
+    raise ChangedWhileRead(f"{path} was saved again each of the {ATTEMPTS} times the ranks opened it, each rank "
+                           f"finding another save (a training saves it faster than it can be read): read it "
+                           f"again, or read a copy")
 
 
 def _existing_part_files(path: str) -> list:
@@ -191,10 +239,12 @@ def _refuse_an_ensemble_as_one_path(path: str) -> None:
                          f"(fairseq-generate and fairseq-interactive take an ensemble as --path a.pt{os.pathsep}b.pt)")
 
 
-def resharded_state(path: str, files: list, arg_overrides=None, with_ema: bool = False, virtual: int = 1):
+def resharded_state(path: str, opened: OpenedSave, arg_overrides=None, with_ema: bool = False,
+                    virtual: int = 1):
     """This rank's part of checkpoint ``path`` (saved at another
-    model-parallel size in ``files``, or in pipeline stages), built in
-    memory (with pipeline stages in this run, this rank's stage of it), in the form fairseq's
+    model-parallel size, or in pipeline stages; ``opened``: its files,
+    :func:`open_on_every_rank`), built in memory (with pipeline stages in
+    this run, this rank's stage of it), in the form fairseq's
     ``load_checkpoint_to_cpu(files[0], arg_overrides)`` returns (overrides
     applied, old formats upgraded; the config records this size); None for a
     checkpoint of another architecture. The optimizer state, another size's,
@@ -208,25 +258,25 @@ def resharded_state(path: str, files: list, arg_overrides=None, with_ema: bool =
         without_part_specific_state,
     )
 
-    state = checkpoint_utils.load_checkpoint_to_cpu(files[0], arg_overrides)
+    state = checkpoint_utils.load_checkpoint_to_cpu(opened.read_through(opened.every_file[0]), arg_overrides)
     if not _is_model_parallel_lm(state):
         return None
     rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
     stages, stage = (parallel_state.get_pipeline_model_parallel_world_size(),
                      parallel_state.get_pipeline_model_parallel_rank())
-    saved_stages = pipeline_stages_of(files)
+    files, saved_stages = opened.files, opened.stages
     saved = f"{len(files)} model part(s)" + (f" x {saved_stages} pipeline stages" if saved_stages > 1 else "")
     here = f"model-parallel size {size}" + (f" x {stages} pipeline stages" if stages > 1 else "")
     built = f"part {rank}" + (f" of stage {stage}" if stages > 1 else "")
     logger.info(f"{path}: {saved}, loaded at {here}: {built} resharded in memory")
     state["model"] = None  # free part 0 before building this rank's part
-    state["model"], padded_vocab_size = resharded_model(path, rank, size)
+    state["model"], padded_vocab_size = resharded_model(path, rank, size, opened=opened)
     set_model_parallel_size(state, size, padded_vocab_size)
     state.pop("last_optimizer_state", None)
     had_ema = (state.get("extra_state") or {}).get("ema") is not None
     state["extra_state"] = without_part_specific_state(state.get("extra_state"))
     if with_ema and had_ema:
-        state["extra_state"]["ema"], _ = resharded_model(path, rank, size, entry="ema")
+        state["extra_state"]["ema"], _ = resharded_model(path, rank, size, entry="ema", opened=opened)
     return split_stages(state, stages, virtual)[stage]
 
 
@@ -254,17 +304,17 @@ def _on_every_rank(step, raised_elsewhere) -> None:
         raise raised_elsewhere(*failed[0])
 
 
-def check_integrity_on_every_rank(path: str) -> None:
-    """:func:`check_integrity` of ``path``, this rank's part: each rank of a
-    model-parallel group reads only its own, and a corrupted part must stop
-    every rank of the group (the others would wait for it in their first
-    collective), so the ranks exchange what they found.
+def check_integrity_on_every_rank(path: str, name: Optional[str] = None) -> None:
+    """:func:`check_integrity` of ``path`` (named ``name``), this rank's
+    part: each rank of a model-parallel group reads only its own, and a
+    corrupted part must stop every rank of the group (the others would wait
+    for it in their first collective), so the ranks exchange what they found.
 
     Raises:
         CheckpointError: a part of the group failed its check, on every rank
             of the group (the message of that part).
     """
-    _on_every_rank(lambda: check_integrity(path), lambda rank, said: CheckpointError(said))
+    _on_every_rank(lambda: check_integrity(path, name), lambda rank, said: CheckpointError(said))
 
 
 def load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, strict=True, suffix="", num_shards=1,
@@ -298,26 +348,33 @@ def load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, stric
             if not PathManager.exists(part_name(filename.replace(".pt", suffix + ".pt"), suffix)):
                 raise  # naming the part files looked for; fairseq named one rank's part
             files = []  # a path only fairseq's PathManager reaches (a remote URI)
-        ours = len(files) > 1 or plugin_on_command_line()
-        if ours:
-            check_complete(files)  # on every rank, before any rank loads a part
-        if files and files[0] != filename and len(files) == size and (size == 1 or can_be_memory_mapped(files[0])):
-            from fairseq_megatron.checkpoint.resharding import check_part_count
-
-            check_part_count(filename, files)  # the last parts lost look like a checkpoint of this size
-        other_size = bool(files) and (len(files) != size or pipeline_stages_of(files) > 1) and not (
-            size == 1 and PathManager.exists(filename))
-        if ours and files and not other_size:
-            check_integrity_on_every_rank(files[parallel_state.get_tensor_model_parallel_rank()
-                                                if len(files) > 1 else 0])
-        part_state = resharded_state(filename, files, arg_overrides) if other_size else None  # checks every part
-        if part_state is None:
+        if not (len(files) > 1 or (files and plugin_on_command_line())):  # one file of fairseq's own, or remote
             models, cfg, task = load([part_name(filename.replace(".pt", suffix + ".pt"), suffix)
                                       if suffix and files else filename], arg_overrides, task, strict,
                                      "" if suffix and files else suffix, num_shards)
+            ensemble.extend(models)
+            continue
+        opened = open_on_every_rank(filename)  # one save, none cut short, before any rank loads a part
+        files, first = opened.files, opened.every_file[0]
+        if files[0] != filename and len(files) == size and (size == 1 or can_be_memory_mapped(opened.source(first))):
+            from fairseq_megatron.checkpoint.resharding import check_part_count, read_checkpoint
+
+            # the last parts or stages lost look like a checkpoint of this size
+            check_part_count(filename, files, read_checkpoint(opened.read_through(first)), opened.stages)
+        if len(files) != size or opened.stages > 1:
+            part_state = resharded_state(filename, opened, arg_overrides)  # checks every part
         else:
-            # fairseq checks that a file of the given name exists, then uses the state given.
-            models, cfg, task = load([files[0]], arg_overrides, task, strict, "", 1, part_state)
+            mine = files[parallel_state.get_tensor_model_parallel_rank() if len(files) > 1 else 0]
+            check_integrity_on_every_rank(opened.source(mine), mine)
+            part_state = None
+        if part_state is None and len(files) != size:
+            raise UsageError(f"{filename} does not hold a model-parallel transformer LM of fairseq_megatron: it "
+                             f"loads only at the model-parallel size it was saved at, {len(files)}")
+        if part_state is None:  # this size's own part
+            mine = files[parallel_state.get_tensor_model_parallel_rank() if len(files) > 1 else 0]
+            part_state = checkpoint_utils.load_checkpoint_to_cpu(opened.read_through(mine), arg_overrides)
+        # fairseq checks that a file of the given name exists, then uses the state given
+        models, cfg, task = load([opened.source(first)], arg_overrides, task, strict, "", 1, part_state)
         ensemble.extend(models)
     return ensemble, cfg, task
 
@@ -365,10 +422,14 @@ def _ema_from_the_weights(state: dict, path: str) -> dict:
 
 def checkpoint_for_rank(trainer, filename: str, reset_optimizer: bool) -> str:
     """What :meth:`MegatronTrainer.load_checkpoint` hands fairseq's: this
-    rank's part file of the checkpoint fairseq named ``filename``, or a
-    :class:`CheckpointInMemory` for it (a part built from the parts of
-    another model-parallel size; EMA weights added for ``--store-ema``).
-    Every rank checks that no part is cut short before any rank loads one.
+    rank's part file of the checkpoint fairseq named ``filename``, as a
+    :class:`~fairseq_megatron.checkpoint.reading.ReadThrough` (the file as
+    opened, under the name it has on disk: its staged name where a kill
+    left it so), or a :class:`CheckpointInMemory` for it (a part built from
+    the parts of another model-parallel size; EMA weights added for
+    ``--store-ema``). Every rank opens the files of one save, the same on
+    all, and checks that no part is cut short before any rank loads one;
+    nothing is written.
 
     Raises:
         UsageError: another size without ``reset_optimizer`` (the message
@@ -380,6 +441,7 @@ def checkpoint_for_rank(trainer, filename: str, reset_optimizer: bool) -> str:
         check_part_count,
         config_value,
         model_config,
+        read_checkpoint,
         saved_vocabulary,
     )
 
@@ -389,44 +451,51 @@ def checkpoint_for_rank(trainer, filename: str, reset_optimizer: bool) -> str:
     path = filename[: -len(suffix)] + ".pt"
     size = parallel_state.get_tensor_model_parallel_world_size()
     try:
-        files = find_part_files(path)
+        opened = open_on_every_rank(path)  # one save, none cut short, before any rank loads a part
     except FileNotFoundError:
         return filename  # no checkpoint at all: fairseq starts from scratch
-    check_complete(files)
+    files, saved_stages = opened.files, opened.stages
     store_ema = trainer.cfg.ema.store_ema
-    stages, saved_stages = parallel_state.get_pipeline_model_parallel_world_size(), pipeline_stages_of(files)
-    if len(files) == size and saved_stages == stages and PathManager.isfile(filename):
-        check_integrity_on_every_rank(filename)
-        rows, symbols = saved_vocabulary(filename)
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    if len(files) == size and saved_stages == stages and filename in opened.every_file:
+        mine = opened.read_through(filename)  # the name on disk: staged where a kill left it so
+        check_integrity_on_every_rank(mine.source, filename)
+        rows, symbols = saved_vocabulary(mine)
         _check_vocabulary(trainer, rows and rows * size, symbols, path, size)
         if not store_ema:
-            return filename
-        return CheckpointInMemory(filename, _ema_from_the_weights(checkpoint_utils.load_checkpoint_to_cpu(filename),
-                                                                  filename))
-    check_part_count(path, files)  # parts lost are not another size
+            return mine
+        return CheckpointInMemory(mine, _ema_from_the_weights(checkpoint_utils.load_checkpoint_to_cpu(mine),
+                                                              filename))
+    first = opened.read_through(opened.every_file[0])
+    check_part_count(path, files, read_checkpoint(first), saved_stages)  # parts or stages lost are not a layout
+    save_dir = trainer.cfg.checkpoint.save_dir
+    in_save_dir = (not trainer.cfg.checkpoint.no_save and os.path.basename(path).startswith("checkpoint")
+                   and os.path.realpath(os.path.dirname(path)) == os.path.realpath(save_dir))
+    # with --reset-optimizer the run starts from the weights; in the save dir it would save over them
+    from_weights = (f"start a new run from its weights with --save-dir NEW_DIR --restore-file {path} "
+                    f"--reset-optimizer" if in_save_dir else "start from its weights with --reset-optimizer "
+                    "(as --finetune-from-model)")
     if not reset_optimizer and (saved_stages > 1 or stages > 1):
         raise UsageError(
             f"{path} was saved at model-parallel size {len(files)} with {saved_stages} pipeline stage(s), this run "
             f"has size {size} with {stages}: resume with --model-parallel-size {len(files)} "
-            f"--pipeline-model-parallel-size {saved_stages}, or start from its weights with --reset-optimizer "
-            f"(as --finetune-from-model), which splits them in memory"
+            f"--pipeline-model-parallel-size {saved_stages}, or {from_weights}, which splits them in memory"
         )
     if not reset_optimizer:
         raise UsageError(
             f"{path} was saved at model-parallel size {len(files)}, this run has size {size}: resume with "
             f"--model-parallel-size {len(files)}, or reshard it with its optimizer state "
-            f"(fairseq-megatron-reshard --input {path} --output NEW.pt --model-parallel-size {size} "
-            f"--keep-optimizer) and train with --restore-file NEW.pt; with --reset-optimizer (as "
-            f"--finetune-from-model) the weights alone are resharded in memory"
+            f"(fairseq-megatron-reshard --input {path} --output NEW_DIR/checkpoint_last.pt --model-parallel-size "
+            f"{size} --keep-optimizer) and train with --save-dir NEW_DIR, or {from_weights}, which reshards the "
+            f"weights alone in memory"
         )
-    save_dir = trainer.cfg.checkpoint.save_dir
-    if (not trainer.cfg.checkpoint.no_save and os.path.basename(path).startswith("checkpoint")
-            and os.path.realpath(os.path.dirname(path)) == os.path.realpath(save_dir)):
+    if in_save_dir:
         raise UsageError(f"{path} is in --save-dir {save_dir}, where this run would save checkpoints of "
-                         f"model-parallel size {size} under the same names: pass another --save-dir")
-    rows, symbols = saved_vocabulary(files[0])
+                         f"model-parallel size {size} under the same names: pass another --save-dir (with "
+                         f"--restore-file {path})")
+    rows, symbols = saved_vocabulary(first)
     _check_vocabulary(trainer, rows and rows * len(files), symbols, path, size)
-    state = resharded_state(path, files, with_ema=store_ema,
+    state = resharded_state(path, opened, with_ema=store_ema,
                             virtual=int(getattr(trainer.cfg.model, "virtual_pipeline_model_parallel_size", 1) or 1))
     if state is None:
         raise UsageError(f"{path} does not hold a model-parallel transformer LM of fairseq_megatron: "
@@ -436,7 +505,7 @@ def checkpoint_for_rank(trainer, filename: str, reset_optimizer: bool) -> str:
     if embedding is not None:
         _check_vocabulary(trainer, embedding.size(0) * size, config_value(model_config(state), "dictionary_size"),
                           path, size)
-    return CheckpointInMemory(files[0], _ema_from_the_weights(state, path) if store_ema else state)
+    return CheckpointInMemory(first, _ema_from_the_weights(state, path) if store_ema else state)
 
 
 def load_checkpoint(cfg, trainer, **passthrough_args):
@@ -457,6 +526,16 @@ def load_checkpoint(cfg, trainer, **passthrough_args):
     if not is_our_model(trainer.get_model()):
         return load(cfg, trainer, **passthrough_args)
     last = os.path.join(cfg.save_dir, f"checkpoint_last{trainer.checkpoint_suffix}.pt")
+    if cfg.restore_file == "checkpoint_last.pt" and not PathManager.exists(last) and _existing_part_files(
+            os.path.join(cfg.save_dir, "checkpoint_last.pt")):
+        # this rank's part only under its staged name (a kill interrupted the save's renames): fairseq would
+        # take this for a first launch on this rank alone; every rank resumes from the save the manifest records
+        cfg = copy.deepcopy(cfg)
+        cfg.restore_file = os.path.join(cfg.save_dir, "checkpoint_last.pt")
+        cfg.finetune_from_model = None
+        if getattr(cfg, "continue_once", None) is not None:
+            cfg.continue_once = None
+        return load(cfg, trainer, **passthrough_args)
     if cfg.restore_file != "checkpoint_last.pt":
         flag, named = "--restore-file", cfg.restore_file
     elif PathManager.exists(last):
@@ -495,25 +574,20 @@ def load_checkpoint(cfg, trainer, **passthrough_args):
 
 
 def copy_whole(src: str, dst: str) -> None:
-    """``dst`` becomes a copy of ``src``: written under a temporary name in
-    ``dst``'s directory, then renamed over ``dst`` (a copy cut short never
-    stands under ``dst``'s name).
+    """``dst`` becomes a copy of ``src``: written under a temporary name of
+    its own in ``dst``'s directory (:func:`~fairseq_megatron.files.written_whole`),
+    then renamed over ``dst`` (a copy cut short never stands under ``dst``'s
+    name).
 
     Raises:
         CheckpointError: the copy failed (a full disk: one line with the
             bytes to write and free); nothing is left under either name.
     """
-    partial = f"{dst}.tmp-{os.getpid()}"
     try:
-        assert PathManager.copy(src, partial, overwrite=True), f"Failed to copy {src} to {dst}"
-        os.replace(partial, dst)
+        with written_whole(dst) as partial:
+            assert PathManager.copy(src, partial, overwrite=True), f"Failed to copy {src} to {dst}"
     except OSError as e:
-        if os.path.lexists(partial):
-            os.remove(partial)
         raise write_error(dst, e, os.path.getsize(src)) from None
-    finally:
-        if os.path.lexists(partial):
-            os.remove(partial)
 
 
 def _remove(paths) -> None:
@@ -680,7 +754,8 @@ def save_checkpoint(cfg, trainer, epoch_itr, val_loss):
 
 def install() -> None:
     replace(checkpoint_utils, "load_checkpoint_to_cpu", load_checkpoint_to_cpu,
-            "loads full pickles (torch >= 2.6 refused fairseq's checkpoints); one line for an unreadable file")
+            "loads fairseq's checkpoints with torch's weights-only unpickler and their classes allowed (torch >= 2.6 "
+            "refused them); anything else, and an unreadable file, one line")
     replace(checkpoint_utils, "load_model_ensemble_and_task", load_model_ensemble_and_task,
             "our checkpoints load at any model-parallel size; parts checked before any is read")
     replace(checkpoint_utils, "load_checkpoint", load_checkpoint,

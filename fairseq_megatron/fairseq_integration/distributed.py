@@ -30,10 +30,11 @@ processes, and gathering on CPU.
     layout once, from the configuration, before the tool's ``main``
     (:func:`main_in_its_layout`): a size below 1 is one error line (fairseq
     ran a model-parallel size of 0 as size 1), and so is a world size the
-    sizes do not divide; each rank that torchrun or fairseq's own spawn
-    started ends when its launcher dies (:func:`_exit_with_the_launcher`):
-    the ranks of a torchrun killed with SIGKILL trained on and wrote
-    checkpoints.
+    sizes do not divide, and a value of fairseq's own numeric options that no
+    run can use (:mod:`.option_values`: ``--update-freq 0``, ``--beam 0``,
+    ...); each rank that torchrun or fairseq's own spawn started ends when
+    its launcher dies (:func:`_exit_with_the_launcher`): the ranks of a
+    torchrun killed with SIGKILL trained on and wrote checkpoints.
 
   These are the launch fixes that stock fairseq needs too on a machine
   without GPUs (see ``docs/fairseq-changes.md``).
@@ -226,12 +227,17 @@ def call_main(cfg, main, **kwargs):
     (:func:`main_in_its_layout`), and the sizes are checked here first.
 
     Raises:
-        UsageError: in a run of our models, a parallel size below 1; SLURM
-            nodes that do not divide the world size.
+        UsageError: in a run of our models, a parallel size below 1, or an
+            impossible value of fairseq's numeric options
+            (:func:`.option_values.check_option_values`); SLURM nodes that do
+            not divide the world size.
     """
     ours = runs_our_models(cfg)
     if ours:
+        from fairseq_megatron.fairseq_integration.option_values import check_option_values
+
         parallel_state.expect_layout(*launch_sizes(cfg))
+        check_option_values(cfg)  # fairseq's own numbers, beside our sizes
         main = functools.partial(main_in_its_layout, main)
     if ours and os.environ.get("TORCHELASTIC_RUN_ID"):  # a rank that torchrun started
         _exit_with_the_launcher()

@@ -47,6 +47,7 @@ from fairseq.scoring import BaseScorer
 from fairseq.scoring.bleu import Scorer as BleuScorer
 from fairseq.scoring.wer import WerScorer
 
+from fairseq_megatron.files import new_temporary
 from fairseq_megatron.fairseq_integration.patching import (
     ModuleWith,
     original,
@@ -323,22 +324,28 @@ def _closing_text(closings: List[str], cfg, merged_scorer) -> str:
 class _ResultsFile(contextlib.AbstractContextManager):
     """Standard output, or with ``results_path`` fairseq's results file
     ``<results_path>/generate-<subset>.txt``, written under a temporary name
-    that is renamed when the ``with`` block ends without an error and
-    removed when it fails: a run never leaves a partial file under that
-    name, nor spoils the last run's. The temporary file is opened at the
+    of its own (:func:`~fairseq_megatron.files.new_temporary`) that is
+    renamed when the ``with`` block ends without an error and removed when
+    it fails: a run never leaves a partial file under that name, nor spoils
+    the last run's, nor any other file. The temporary file is made at the
     first write."""
 
     def __init__(self, results_path: Optional[str], subset: str):
         self.path = None if results_path is None else os.path.join(results_path, f"generate-{subset}.txt")
         self._file: Optional[TextIO] = None
+        self._tmp: Optional[str] = None
+
+    def _open(self) -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._tmp = new_temporary(self.path)
+        self._file = open(self._tmp, "w", encoding="utf-8")
 
     def write(self, text: str) -> None:
         if self.path is None:
             sys.stdout.write(text)
             return
         if self._file is None:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            self._file = open(self.path + ".tmp", "w", encoding="utf-8")
+            self._open()
         self._file.write(text)
 
     def flush(self) -> None:
@@ -351,17 +358,16 @@ class _ResultsFile(contextlib.AbstractContextManager):
         if self.path is None:
             sys.stdout.flush()
             return None
-        tmp = self.path + ".tmp"
         try:
             if self._file is None and error is None:  # nothing written, but a complete (empty) result
-                open(tmp, "w", encoding="utf-8").close()
+                self._open()
             if self._file is not None:
                 self._file.close()
             if error is None:
-                os.replace(tmp, self.path)
+                os.replace(self._tmp, self.path)
         finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+            if self._tmp is not None and os.path.exists(self._tmp):
+                os.remove(self._tmp)
         return None
 
 

@@ -11,13 +11,15 @@
   after building the model (:func:`~fairseq_megatron.models.options.check_fully_sharded`);
   ``--bf16`` without torch_xla and ``--fp16`` on CPU failed with
   tracebacks after building it; a ``--save-dir`` with a file in its path
-  was "Not a directory: '<save-dir>/dummy'"; ``--fp8`` without torchao or a
-  float8 GPU is refused here too. (The model's own option checks
-  already run while fairseq parses the command line.) The refusals that
-  need the task or a checkpoint (a dict.txt other than the checkpoint's,
-  training samples all longer than the model's positions) come after
-  ``main`` made the directory; a run that fails removes the directories it
-  made if they are still empty.
+  was "Not a directory: '<save-dir>/dummy'", and a read-only one a logged
+  warning and a traceback; ``--fp8`` without torchao or a float8 GPU is
+  refused here too. (The model's own option checks already run while
+  fairseq parses the command line.) It then holds the save dir's lock for
+  the run (:mod:`.save_dir`): a second run with the same ``--save-dir`` is
+  one line. The refusals that need the task or a checkpoint (a dict.txt
+  other than the checkpoint's, training samples all longer than the model's
+  positions) come after ``main`` made the directory; a run that fails
+  removes the directories it made if they are still empty.
 - ``train`` (one epoch) returns at once when the checkpoint it resumed from
   has reached ``--max-update``: fairseq trained one more update before
   testing the limit and saved it over ``checkpoint_last`` (and an interval
@@ -58,6 +60,7 @@ def main(cfg, **kwargs):
         check_training_precision,
     )
     from fairseq_megatron.modules import sharding
+    from fairseq_megatron.fairseq_integration.save_dir import check_writable, one_run_at_a_time
     from fairseq_megatron.parallel import parallel_state
 
     run = original(_cli(), "main")
@@ -76,12 +79,13 @@ def main(cfg, **kwargs):
                                          layout.context)
     check_training_precision(cfg.common, fully_sharded=cfg.distributed_training.ddp_backend == "fully_sharded")
     check_fp8_environment(cfg.model, cfg.common.cpu)
+    check_writable(cfg.checkpoint.save_dir)
     # fairseq's main makes --save-dir on the master rank only
-    made = directories_missing(cfg.checkpoint.save_dir) if distributed_utils.is_master(
-        cfg.distributed_training) else []
+    master = distributed_utils.is_master(cfg.distributed_training)
+    made = directories_missing(cfg.checkpoint.save_dir) if master else []
     try:
         # fairseq builds the model before it looks for a checkpoint: its draws wait (MegatronTrainer runs them)
-        with sharding.checkpoint_may_fill_weights():
+        with one_run_at_a_time(cfg.checkpoint.save_dir, master, made), sharding.checkpoint_may_fill_weights():
             return run(cfg, **kwargs)
     except BaseException:
         remove_while_empty(made)

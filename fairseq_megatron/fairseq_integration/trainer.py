@@ -73,6 +73,7 @@ from fairseq.trainer import Trainer
 
 from fairseq_megatron.checkpoint.part_files import is_write_failure, stage_suffix, write_error
 from fairseq_megatron.errors import UsageError
+from fairseq_megatron.files import written_whole
 from fairseq_megatron.models.pipeline_stage import PipelineStageLayout
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.parallel.grad_norm import model_parallel_norm_aggregator
@@ -455,27 +456,43 @@ class MegatronTrainer(Trainer):
 
     def save_checkpoint(self, filename, extra_state):
         """fairseq's, for this rank's part (``crash.pt`` too), recording the
-        RNG tracker's streams and the number of data-parallel groups.
+        RNG tracker's streams and the number of data-parallel groups,
+        written whole under a temporary name of its own
+        (:func:`~fairseq_megatron.files.written_whole`; fairseq's
+        ``torch_persistent_save`` writes ``<name>.tmp``, a name a file of the
+        user's may have, and on a failed write retried twice, 2.5 s apart,
+        and logged a traceback before the error went on). Remote paths and
+        ``--write-checkpoints-asynchronously`` go through fairseq's.
 
         Raises:
             CheckpointError: the file system refused the write (a full disk):
-                one line with the bytes free; fairseq's temporary file is
-                removed, and the file of the previous save stays whole.
+                one line with the bytes free; the temporary file is removed,
+                and the file of the previous save stays whole.
         """
         suffix = self.checkpoint_suffix  # "-model_part-K" (fairseq's distributed_init sets it)
         if suffix and filename.endswith(".pt") and not filename.endswith(suffix + ".pt"):
             filename = filename[: -len(".pt")] + suffix + ".pt"
         extra_state["rng_tracker_states"] = get_rng_tracker().get_states()
         extra_state["data_parallel_world_size"] = self.data_shards
-        try:
+        if self.cfg.checkpoint.write_checkpoints_asynchronously or "://" in filename:
             return super().save_checkpoint(filename, extra_state)
+        if not self.should_save_checkpoint_on_current_rank:
+            return None
+        from fairseq import trainer as fairseq_trainer
+        from fairseq import utils
+
+        fairseq_trainer.logger.info(f"Saving checkpoint to {os.path.abspath(filename)}")  # fairseq's log lines
+        state_dict = utils.move_to_cpu(self.state_dict())
+        state_dict["extra_state"].update(extra_state)
+        try:
+            with written_whole(filename) as partial:
+                torch.save(state_dict, partial)
         except (OSError, RuntimeError) as e:
             if not is_write_failure(e):
                 raise
-            partial = filename + ".tmp"  # fairseq writes there, then renames (torch_persistent_save)
-            if os.path.lexists(partial):
-                os.remove(partial)
             raise write_error(filename, e) from None
+        fairseq_trainer.logger.info(f"Finished saving checkpoint to {os.path.abspath(filename)}")
+        return os.path.abspath(filename)
 
     def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False, optimizer_overrides=None,
                         reset_meters=False):
@@ -486,6 +503,7 @@ class MegatronTrainer(Trainer):
         this run's number of data-parallel groups, and, if nothing was
         loaded, the deferred initial weights are drawn.
         """
+        from fairseq_megatron.checkpoint.reading import ChangedWhileRead, ReadThrough
         from fairseq_megatron.fairseq_integration.checkpoint_utils import part_name, checkpoint_for_rank
 
         filename = part_name(filename, self.checkpoint_suffix)
@@ -495,11 +513,15 @@ class MegatronTrainer(Trainer):
         on_all_ranks = checkpoint.load_checkpoint_on_all_dp_ranks
         checkpoint.load_checkpoint_on_all_dp_ranks = True
         try:
-            extra_state = super().load_checkpoint(
-                checkpoint_for_rank(self, filename, reset_optimizer), reset_optimizer, reset_lr_scheduler,
-                optimizer_overrides, reset_meters)
+            given = checkpoint_for_rank(self, filename, reset_optimizer)
+            extra_state = super().load_checkpoint(given, reset_optimizer, reset_lr_scheduler, optimizer_overrides,
+                                                  reset_meters)
         finally:
             checkpoint.load_checkpoint_on_all_dp_ranks = on_all_ranks
+        if extra_state is None and isinstance(given, (ReadThrough, CheckpointInMemory)):
+            # fairseq found no file under the name it was handed: another process renamed it since it was opened
+            raise ChangedWhileRead(f"{given} was renamed or removed while it was loaded (a run is saving this "
+                                   f"checkpoint?): start again, or load a copy")
         if extra_state is not None and "rng_tracker_states" in extra_state:
             get_rng_tracker().set_states(extra_state["rng_tracker_states"])
         _continue_the_epoch(extra_state, self.data_shards)

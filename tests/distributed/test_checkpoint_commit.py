@@ -1,9 +1,11 @@
 """A save of model parts as a commit (fairseq_megatron/checkpoint/commit.py),
 in a world of 2 ranks, with a fault injected at each step of a save: a
 failed write on one rank, a failed manifest, a rank stopped before its
-rename. Afterwards a reader (``find_part_files`` and ``check_complete``, as
-every tool runs them) gets one whole save: the previous one where the fault
-came before the commit point, the new one after it; never a mix."""
+rename. Afterwards a reader (``open_save``, as every tool opens a
+checkpoint) gets one whole save without writing anything: the previous one
+where the fault came before the commit point, the new one after it (read
+through the staged name a rank left); never a mix. The writer's next save
+of the name leaves its own files and nothing else."""
 
 import errno
 import os
@@ -13,6 +15,7 @@ import torch
 
 from fairseq_megatron.checkpoint.commit import staged_name
 from fairseq_megatron.checkpoint.part_files import check_complete, find_part_files, part_path, update_count
+from fairseq_megatron.checkpoint.reading import open_save
 from tests.helpers import init_model_parallel, run_distributed
 from tests.support.full_disk import FullDiskAt
 
@@ -21,7 +24,7 @@ class _Stopped(Exception):
     """The injected fault."""
 
 
-def _commit_worker(rank, world_size, root, fault):
+def _commit_worker(rank, world_size, root, fault, then_save=False):
     from fairseq_megatron.checkpoint.layout import CheckpointError
     from fairseq_megatron.fairseq_integration import checkpoint_utils
 
@@ -58,6 +61,8 @@ def _commit_worker(rank, world_size, root, fault):
         said = f"{type(e).__name__}: {e}"
     finally:
         os.replace = real_replace
+    if then_save:  # the next save of the name (fairseq-train's next update)
+        save("c" * 32, 9)
     return said
 
 
@@ -79,14 +84,32 @@ def test_a_save_of_model_parts_is_all_or_nothing(tmp_path, fault):
     else:  # after the commit point: rank 0 renamed its part, rank 1 was stopped before it
         assert said == [None, "_Stopped: "], said
     expected = 5 if fault in ("write", "manifest") else 8
-    files = find_part_files(path)  # completes a committed save's renames
-    check_complete(files)
-    assert [update_count(torch.load(f, weights_only=False)) for f in files] == [expected, expected]
-    left = sorted(os.listdir(root))
-    assert [f for f in left if ".staged-" in f and os.path.join(root, f) not in stale] == [], left
+    before = sorted(os.listdir(root))
+    with open_save(path) as opened:  # reads the staged part a rank left, renames nothing
+        assert [update_count(torch.load(opened.source(f), weights_only=False)) for f in opened.every_file] == \
+            [expected, expected]
+    assert sorted(os.listdir(root)) == before
+    # what a kill after the commit point leaves staged stays until the next save: rank 1's part
+    unfinished = [os.path.basename(staged_name(part_path(path, 1), "b" * 32))] if fault == "rename" else []
+    assert [f for f in before if ".staged-" in f and os.path.join(root, f) not in stale] == unfinished, before
     # a killed save's staged files are removed by each rank that completes a later save of the name
     removed = {"none": [True, True], "write": [False, False], "manifest": [False, False], "rename": [True, False]}
     assert [not os.path.exists(f) for f in stale] == removed[fault]
+
+
+def test_the_next_save_replaces_an_unfinished_one(tmp_path):
+    """A save stopped after its commit point, before rank 1's rename, then
+    the writer's next save of the name: its files under their final names,
+    each of that save, and no staged file of either earlier save left."""
+    root = str(tmp_path / "ckpt")
+    os.makedirs(root)
+    assert run_distributed(_commit_worker, 2, tmp_path, root, "rename", True) == [None, "_Stopped: "]
+    path = os.path.join(root, "checkpoint_last.pt")
+    assert sorted(os.listdir(root)) == ["checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt",
+                                        "checkpoint_last.pt.manifest.json"]
+    files = find_part_files(path)
+    check_complete(files)
+    assert [update_count(torch.load(f, weights_only=False)) for f in files] == [9, 9]
 
 
 def test_parts_that_are_not_the_save_their_manifest_records_are_refused(tmp_path):

@@ -2,6 +2,7 @@
 part per rank) when the disk is full: the write is made to fail on rank 1
 only, as a disk that fills during the save would."""
 
+import logging
 import os
 
 import pytest
@@ -23,8 +24,10 @@ def _full_disk_worker(rank, world_size, save_dir, error):
     before = open(part, "rb").read()
     trainer.train_step([next(batches)])
     real_save = torch.save
-    if rank == 1:  # fairseq hands torch.save the open temporary file
+    if rank == 1:
         torch.save = FullDiskAt(real_save, call=1, error=error)
+    logged = _Records()
+    logging.getLogger().addHandler(logged)
     try:
         trainer.consolidate_optimizer()
         trainer.save_checkpoint(path, {})
@@ -33,8 +36,20 @@ def _full_disk_worker(rank, world_size, save_dir, error):
         said = str(e)
     finally:
         torch.save = real_save
+        logging.getLogger().removeHandler(logged)
     return {"said": said, "files": sorted(os.listdir(save_dir)), "unchanged": open(part, "rb").read() == before,
-            "part": part}
+            "part": part, "logged": logged.errors}
+
+
+class _Records(logging.Handler):
+    """The messages of the records at level ERROR and above that reach the root logger."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.errors = []
+
+    def emit(self, record):
+        self.errors.append(record.getMessage())
 
 
 @pytest.mark.slow  # two trainers built per case: left out of make test-fast
@@ -42,10 +57,12 @@ def _full_disk_worker(rank, world_size, save_dir, error):
 def test_a_full_disk_during_a_save_is_one_line_and_leaves_the_previous_part(tmp_path, error):
     """It was a traceback (``OSError: [Errno 28] No space left on device``,
     or torch's "file write failed") with fairseq's ``.tmp`` file left
-    behind. Now the rank whose write failed raises one line with the reason
-    and the bytes free, its temporary file is removed, and its previous
-    part is still there, byte for byte; the other rank's save went through
-    (the parts are then of two saves, which every load refuses)."""
+    behind, and then, once fairseq's save had retried twice 2.5 s apart, a
+    traceback logged at level ERROR before the one line. Now the rank whose
+    write failed raises one line with the reason and the bytes free, having
+    logged no error, its temporary file is removed, and its previous part
+    is still there, byte for byte; the other rank's save went through (the
+    parts are then of two saves, which every load refuses)."""
     save_dir = str(tmp_path / "ckpt")
     outcomes = run_distributed(_full_disk_worker, 2, tmp_path, save_dir, error)
     assert outcomes[0]["said"] is None and not outcomes[0]["unchanged"]  # rank 0 saved the new update
@@ -54,5 +71,5 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_the_previous_part(tmp_
     reason = "No space left on device" if error == "ENOSPC" else f"RuntimeError: {TORCH_WRITE_FAILED}"
     assert said is not None and said.startswith(f"cannot write {outcomes[1]['part']}: {reason} (") and said.endswith(
         " free there); nothing was written"), said
-    assert outcomes[1]["unchanged"]
+    assert outcomes[1]["unchanged"] and outcomes[1]["logged"] == [], outcomes[1]["logged"]
     assert outcomes[1]["files"] == ["checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt"]

@@ -3,7 +3,9 @@ size 2 with a GPT-2 BPE (the ``small_megatron`` fixture), against fairseq's
 own tools on the same checkpoint: the exported tokenizer gives the ids
 fairseq-preprocess wrote, transformers' perplexity on the test split's
 blocks is fairseq-eval-lm's, and greedy ``generate()`` continues each
-prompt as fairseq-generate does.
+prompt as fairseq-generate does. The Python snippets of README.md and
+docs/checkpoints.md load the export in a fresh interpreter of this
+environment, as a user's program does.
 
 Tolerance: fairseq-eval-lm prints its loss with 4 decimals (base 2); the
 transformers loss over the same blocks, summed in another order in fp32,
@@ -13,6 +15,7 @@ is held to that print's rounding plus 1e-4.
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -22,7 +25,7 @@ from fairseq.data import Dictionary, data_utils
 
 from fairseq_megatron import USER_DIR
 from fairseq_megatron.checkpoint.hf_export import require_transformers
-from tests.e2e.common import eval_loss, hypotheses
+from tests.e2e.common import REPO, eval_loss, hypotheses
 from tests.helpers import ENV, fairseq
 
 
@@ -46,6 +49,30 @@ def _test_blocks(data, tokens_per_sample):
     task.load_dataset("test")
     iterator = task.eval_lm_dataloader(task.dataset("test"), batch_size=4, max_positions=tokens_per_sample)
     return list(iterator)
+
+
+def _python_block(document: str, containing: str) -> str:
+    """The first ```python block of ``document`` (a path under the repository) that contains ``containing``."""
+    with open(os.path.join(REPO, document), encoding="utf-8") as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    return next(block for block in blocks if containing in block)
+
+
+def test_the_documented_snippets_load_the_export_in_a_fresh_process(small_megatron, gpt2_files, tmp_path):
+    """README.md's and docs/checkpoints.md's transformers snippets, run as
+    they are in a fresh interpreter of this environment, on exports under
+    the names they use. transformers imports torchaudio whenever it is
+    installed, and the one fairseq pulled in could not load beside this
+    torch: ``from_pretrained`` failed in every fresh process, while the
+    export tool, which had hidden torchaudio inside its own, exited 0."""
+    _export(small_megatron, gpt2_files, tmp_path / "megatron_11b_hf")
+    os.symlink("megatron_11b_hf", tmp_path / "hf_model")
+    snippets = [_python_block("README.md", "from_pretrained"), _python_block("docs/checkpoints.md", "from_pretrained")]
+    program = "\n".join(snippets) + "\nprint('loaded', type(model).__name__, tokenizer('The')['input_ids'][0])\n"
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=ENV, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "loaded XGLMForCausalLM 2", proc.stdout[-3000:]
 
 
 def test_the_export_scores_tokenizes_and_generates_as_fairseq(small_megatron, gpt2_files, tmp_path):

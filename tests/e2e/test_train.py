@@ -104,10 +104,13 @@ def test_a_new_run_starts_from_the_weights_a_build_from_its_seed_draws(trained, 
     assert different == [], different
 
 
-def test_resuming_at_another_size_stops_instead_of_starting_over(trained, tmp_path):
+def test_resuming_at_another_size_stops_instead_of_starting_over(trained, tmp_path, capsys):
     """fairseq-train at size 1 in a save dir holding a size-2 checkpoint_last:
     fairseq would not find checkpoint_last.pt and train from scratch; the run
-    stops before training, says how to reshard, and leaves the files alone."""
+    stops before training, says how to reshard, and leaves the files alone.
+    Each way on the message gives, followed as written, trains: the
+    resharding command with the optimizer state and a run in its directory
+    (from the saved update), and a new run from the weights."""
     for name in ("checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt"):
         shutil.copy(os.path.join(trained["ckpt"], name), tmp_path)
     before = listing(tmp_path)
@@ -126,8 +129,29 @@ def test_resuming_at_another_size_stops_instead_of_starting_over(trained, tmp_pa
     assert rc != 0 and "num_updates" not in out, out[-3000:]
     assert out.rstrip().splitlines()[-1] == (
         f"error: {tmp_path / 'checkpoint_last.pt'} is in --save-dir {tmp_path}, where this run would save "
-        f"checkpoints of model-parallel size 1 under the same names: pass another --save-dir"), out[-3000:]
+        f"checkpoints of model-parallel size 1 under the same names: pass another --save-dir (with --restore-file "
+        f"{tmp_path / 'checkpoint_last.pt'})"), out[-3000:]
     assert listing(tmp_path) == before
+
+    _, advice = fairseq("train", args, check=False)
+    command = re.search(r"\((fairseq-megatron-reshard [^)]*)\) and train with --save-dir NEW_DIR", advice).group(1)
+    resharded = tmp_path / "resharded"
+    assert reshard_checkpoint.main(command.replace("NEW_DIR", str(resharded)).split()[1:]) == 0
+    capsys.readouterr()
+    resume = _with(_with(args, "--save-dir", str(resharded)), "--criterion", "vocab_parallel_cross_entropy")  # as saved
+    _, log = fairseq("train", resume)
+    assert "(epoch 1 @ 4 updates)" in log and "num_updates=5," in log, log[-3000:]
+    flags = re.search(r"start a new run from its weights with (--save-dir NEW_DIR --restore-file \S+ "
+                      r"--reset-optimizer)", advice).group(1).replace("NEW_DIR", str(tmp_path / "fresh")).split()
+    _, log = fairseq("train", _with(args, *flags[:2]) + flags[2:])
+    assert "2 model part(s), loaded at model-parallel size 1" in log and "num_updates=1," in log, log[-3000:]
+
+
+def _with(args, flag, value):
+    """``args`` with ``flag``'s value set to ``value``."""
+    args = list(args)
+    args[args.index(flag) + 1] = value
+    return args
 
 
 def test_store_ema_at_size_2_and_on_at_size_1(trained, tmp_path, capsys):

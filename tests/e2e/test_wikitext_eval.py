@@ -158,6 +158,23 @@ def test_detok_and_bpe_clis_refuse_bad_files_and_outputs_in_one_line(gpt2_files,
         assert not out.exists()
 
 
+def test_detok_and_bpe_clis_leave_a_file_named_as_their_old_temporary_name(gpt2_files, tmp_path):
+    """The input named as the output plus ``.tmp`` (``detok.py x.txt.tmp
+    --output x.txt``): both tools wrote their output to ``x.txt.tmp`` and
+    renamed it, so the input was gone and the output was the tool's own
+    text. The temporary file is now a name of its own: the input stays,
+    byte for byte, the output is written, and nothing else is left."""
+    src = tmp_path / "x.txt.tmp"
+    src.write_text("\n".join(RAW) + "\n", encoding="utf-8")
+    before = src.read_bytes()
+    out = tmp_path / "x.txt"
+    for main, argv, _ in _text_clis(gpt2_files, src, out):
+        assert main(argv) == 0
+        assert src.read_bytes() == before and out.stat().st_size > 0
+        assert sorted(os.listdir(tmp_path)) == ["x.txt", "x.txt.tmp"]
+        out.unlink()
+
+
 def test_detok_and_bpe_clis_never_overwrite_their_input_and_name_bad_bytes(gpt2_files, tmp_path, capsys):
     """The output named as the input replaced the input text, exit 0; a
     merges file that is empty, only its header or another file (encoder.json)

@@ -49,7 +49,8 @@ def optimizer_states(names, moments, num_parts, layout):
     return states
 
 
-def save_checkpoint(path, num_parts, style="cfg", seed=0, legacy_format=False, optimizer="placeholder", ema=False):
+def save_checkpoint(path, num_parts, style="cfg", seed=0, legacy_format=False, optimizer="placeholder", ema=False,
+                    **overrides):
     """A checkpoint as fairseq-train writes it at ``num_parts`` model parts.
 
     The weights come from a model built at size 2 in this process (so the
@@ -60,13 +61,14 @@ def save_checkpoint(path, num_parts, style="cfg", seed=0, legacy_format=False, o
     ``None`` no optimizer state; the default a placeholder. ``ema``: also
     the EMA state dicts of fairseq-train ``--store-ema --ema-fp32`` (an EMA
     model with other weights, tied like the model's), returned as
-    ``(weights, EMA weights)``.
+    ``(weights, EMA weights)``. ``overrides``: model options
+    (``share_decoder_input_output_embed=False``).
     """
     import fairseq_megatron.parallel.parallel_state as ps
 
     assert ps.get_tensor_model_parallel_world_size() == 1
     # build "as if" at size 2: pad the vocabulary the way size 2 would
-    args = model_args(1, padded_vocab_size=64)
+    args = model_args(1, padded_vocab_size=64, **overrides)
     model, args = build_at_size(1, args, seed)
     with torch.no_grad():  # move layer norms away from their init, as training would
         for n, p in model.named_parameters():

@@ -7,13 +7,16 @@ import os
 # what torch's zip writer raises when the disk fills under it
 TORCH_WRITE_FAILED = ("[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing file data/3: "
                       "file write failed")
+# what safetensors' save_file raises when the disk fills under it (seen on a 64 kB tmpfs)
+SAFETENSORS_WRITE_FAILED = "Error while serializing: I/O error: No space left on device (os error 28)"
 
 
 class FullDiskAt:
     """Wraps ``save(obj, path_or_file, ...)`` (``torch.save``,
     ``safetensors.torch.save_file``): the first ``call - 1`` calls go
     through; call ``call`` writes a few bytes to its destination and raises
-    OSError ENOSPC (``error="ENOSPC"``) or torch's RuntimeError (``"torch"``).
+    OSError ENOSPC (``error="ENOSPC"``), torch's RuntimeError (``"torch"``)
+    or safetensors' SafetensorError (``"safetensors"``).
     ``calls`` lists every destination it was given."""
 
     def __init__(self, save, call: int, error: str = "ENOSPC"):
@@ -30,4 +33,8 @@ class FullDiskAt:
                 f.write(b"PK\x03\x04 partial")
         if self.error == "ENOSPC":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if self.error == "safetensors":
+            import safetensors
+
+            raise safetensors.SafetensorError(SAFETENSORS_WRITE_FAILED)
         raise RuntimeError(TORCH_WRITE_FAILED)

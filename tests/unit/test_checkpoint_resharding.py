@@ -317,8 +317,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     data = open(part_path(path, 1), "rb").read()
     open(part_path(path, 1), "wb").write(data[: len(data) // 2])
     rc, err = run("--model-parallel-size", "1")
-    assert rc == 1 and err.startswith("error: cannot read ") and "model-model_part-1.pt" in err
-    assert len(err.splitlines()) == 1
+    assert (rc, err) == (1, f"error: {part_path(path, 1)} is truncated: the zip archive's directory, which torch "
+                            f"writes last, is missing (was the file still being saved or copied?)")
 
     # missing part
     os.remove(part_path(path, 1))

@@ -104,11 +104,24 @@ def check_gpu_check_flags(argv):
         assert re.search(handled, script, flags=re.M), f"gpu_check.sh has no {flag}"
 
 
+def check_pytest(argv):
+    """The test files a pytest command names exist, and so does a test its ``-k`` names."""
+    files = [a for a in argv if a.startswith("tests/")]
+    assert files and all(os.path.exists(os.path.join(ROOT, f.split("::")[0])) for f in files), argv
+    if "-k" in argv:
+        text = "".join(open(os.path.join(ROOT, f.split("::")[0])).read() for f in files)
+        assert re.search(rf"def test_\w*{re.escape(argv[argv.index('-k') + 1])}", text), argv
+
+
 def check(words):
     program, argv = words[0], words[1:]
     if re.match(r"^\w+=\$\(", program):  # VAR=$(python -m module)
         module = re.search(r"-m ([\w.]+)\)", " ".join(words)).group(1)
         assert importlib.util.find_spec(module) is not None, module
+    elif re.match(r"^[A-Z_]+=[^$]*$", program):  # an environment variable set for the command
+        check(argv)
+    elif program.endswith("python") and argv[:2] == ["-m", "pytest"]:
+        check_pytest(argv[2:])
     elif program == "torchrun":
         from torch.distributed.run import get_args_parser
 
@@ -161,6 +174,8 @@ def test_a_renamed_flag_fails():
         check(shlex.split("fairseq-megatron-reshard --input a.pt --output b.pt --to-fairseq-lm"))
     with pytest.raises(AssertionError):
         check(shlex.split("fairseq-megatron-hydra-train --config-dir c --config-name lm checkpoint.save_dri=x"))
+    with pytest.raises(AssertionError):
+        check(shlex.split("UPDATES=2 .venv/bin/python -m pytest tests/e2e/test_readers.py -k besides_a_training"))
 
 
 @pytest.mark.parametrize("path", DOCUMENTS)

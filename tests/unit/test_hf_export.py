@@ -71,7 +71,7 @@ def test_the_directory_is_what_transformers_writes(exported):
     index = json.load(open(os.path.join(exported["dir"], "model.safetensors.index.json")))["weight_map"]
     expected = {k.replace("decoder.", "model.", 1) for k in exported["full"] if k != "decoder.version"}
     assert set(index) == expected - {"model.output_projection.weight"}
-    assert not os.path.exists(exported["dir"] + ".tmp")
+    assert sorted(os.listdir(os.path.dirname(exported["dir"]))) == ["hf", "src"]  # no temporary directory left
     # transformers found every weight it expects, and no other
     assert type(exported["hf"]).__name__ == "XGLMForCausalLM"
     assert all(not keys for keys in exported["loading"].values()), exported["loading"]
@@ -132,6 +132,59 @@ def test_greedy_generate_on_left_padded_prompts_equals_ours(exported):
         assert theirs[: len(ours)] == ours, (row, theirs, ours)
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_pipelined_checkpoints_export_with_the_logits_of_one_stage(tmp_path, tied):
+    """A checkpoint in 2 model parts x 2 pipeline stages, and the same
+    resharded to one stage first: ``--to-hf`` of either stopped with "the
+    config says the output projection is not tied to the embedding, and the
+    weights say otherwise" for a model trained tied (the last stage holds its
+    own copy of the embedding for the projection). Both now export, tied or
+    not: transformers' model and fairseq's own ``transformer_lm`` loaded
+    from ``--to-fairseq`` give the logits of our model at one stage with
+    the same weights (tolerance: the module docstring's)."""
+    from argparse import Namespace
+
+    from fairseq.models.transformer_lm import TransformerLanguageModel
+
+    from fairseq_megatron.checkpoint.export import export_to_fairseq
+    from fairseq_megatron.checkpoint.resharding import reshard
+    from tests.helpers import LMTask
+
+    src, stages, one = (str(tmp_path / d / "model.pt") for d in ("src", "stages", "one"))
+    os.makedirs(os.path.dirname(src))
+    full = save_checkpoint(src, 2, share_decoder_input_output_embed=tied)
+    reshard(src, stages, 2, new_stages=2)
+    reshard(stages, one, 1)
+    args = torch.load(src.replace(".pt", "-model_part-0.pt"), weights_only=False)["cfg"]["model"]
+    args.model_parallel_size = 1
+    ours, _ = build_at_size(1, args)
+    ours.load_state_dict(full, strict=True)
+    ours.eval()
+    dictionary = make_dictionary(WORDS)
+    tokens = torch.randint(4, len(dictionary), (2, 10), generator=torch.Generator().manual_seed(5))
+    tokens[:, 0] = 2
+    with torch.no_grad():
+        expected = ours(tokens)[0]
+    for path in (stages, one):
+        name = os.path.basename(os.path.dirname(path))
+        hf_dir = str(tmp_path / f"hf-{name}")
+        export_to_transformers(path, hf_dir, dictionary)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+        assert hf.config.tie_word_embeddings == tied
+        with torch.no_grad():
+            _close(hf(input_ids=tokens).logits, expected[..., : len(dictionary)])
+        plain = str(tmp_path / f"plain-{name}" / "model.pt")
+        export_to_fairseq(path, plain)
+        state = torch.load(plain, weights_only=True)
+        padded = make_dictionary(WORDS)
+        padded.pad_to_multiple_(64)  # all 64 rows exported: a dictionary of that many symbols
+        stock = TransformerLanguageModel.build_model(Namespace(**state["cfg"]["model"]), LMTask(padded))
+        stock.load_state_dict(state["model"], strict=True)
+        stock.eval()
+        with torch.no_grad():
+            _close(stock(tokens)[0], expected)
+
+
 def test_bad_input_is_one_line_and_writes_nothing(exported, tmp_path, capsys):
     out = tmp_path / "out"
 
@@ -139,7 +192,7 @@ def test_bad_input_is_one_line_and_writes_nothing(exported, tmp_path, capsys):
         assert reshard_checkpoint.main(["--input", exported["src"], "--output", str(out), "--to-hf", *argv]) == 1
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith("error: "), err
-        assert not out.exists() and not os.path.exists(str(out) + ".tmp")
+        assert not out.exists() and [f for f in os.listdir(tmp_path) if f.startswith("out")] == []
         return err
 
     short = tmp_path / "short.txt"
@@ -171,13 +224,35 @@ def test_bad_input_is_one_line_and_writes_nothing(exported, tmp_path, capsys):
     assert "holds files" in capsys.readouterr().err and os.listdir(out) == ["config.json"]
 
 
-def test_a_full_disk_is_one_line_and_leaves_nothing(exported, tmp_path, capsys, monkeypatch):
-    """safetensors fails to write the second shard (the disk filled): one
+def test_a_directory_named_as_the_old_temporary_one_is_left_alone(exported, tmp_path):
+    """``--to-hf --output D`` wrote into ``D.tmp/`` and removed whatever was
+    there first without a word: a user's directory of that name, and the
+    input itself when the checkpoint lived in it. The export now writes into
+    a new directory of its own: ``D.tmp/`` and the input in it stay as they
+    were."""
+    import shutil
+
+    user = tmp_path / "hf.tmp"
+    user.mkdir()
+    (user / "notes.txt").write_text("the user's\n")
+    for name in os.listdir(os.path.dirname(exported["src"])):
+        shutil.copy(os.path.join(os.path.dirname(exported["src"]), name), user / name)
+    before = {name: (user / name).read_bytes() for name in os.listdir(user)}
+    assert reshard_checkpoint.main(["--input", str(user / "model.pt"), "--output", str(tmp_path / "hf"),
+                                    "--to-hf"]) == 0
+    assert {name: (user / name).read_bytes() for name in os.listdir(user)} == before
+    assert sorted(os.listdir(tmp_path)) == ["hf", "hf.tmp"] and "config.json" in os.listdir(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("error", ["ENOSPC", "safetensors"])
+def test_a_full_disk_is_one_line_and_leaves_nothing(exported, tmp_path, capsys, monkeypatch, error):
+    """safetensors fails to write the second shard (the disk filled), with
+    an OSError or with the ``SafetensorError`` it raises on a full disk: one
     line with the reason and the bytes free, no output and no temporary
-    directory (it was a traceback)."""
+    directory (it was a traceback; the SafetensorError one still was)."""
     import safetensors.torch
 
-    save = FullDiskAt(safetensors.torch.save_file, call=2)
+    save = FullDiskAt(safetensors.torch.save_file, call=2, error=error)
     monkeypatch.setattr(safetensors.torch, "save_file", save)
     out = tmp_path / "out"
     dictionary = tmp_path / "dict.txt"

@@ -235,3 +235,33 @@ def test_cli_refuses_sizes_that_are_not_positive(capsys, flag, value):
     assert exited.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
         f"error: argument {flag}: must be a positive finite number, got {value}")
+
+
+class _OverBudget(Exception):
+    """The CPU time a planning may take ran out."""
+
+
+@pytest.mark.parametrize("argv", [["--layers", "1000000000", "--gpus", "8", "--global-batch", "8"],
+                                  ["--gpus", "2147483648", "--gpus-per-node", "2147483648", "--global-batch",
+                                   "2147483648"]], ids=["a-billion-layers", "2**31-gpus-per-node"])
+def test_huge_sizes_are_planned_in_bounded_time(capsys, argv):
+    """The planner found the divisors of the layers and of the GPUs per node
+    by trying every number up to them: a billion layers, or 2**31 GPUs in a
+    node, ran for minutes. It now tries those up to the square root. The
+    bound, 5 s of this process's CPU time (``ITIMER_PROF``, blind to the
+    other processes on a shared machine), is two orders of magnitude above
+    what a planning takes and two below the old loop's."""
+    import signal
+
+    def over_budget(*_):
+        raise _OverBudget()
+
+    previous = signal.signal(signal.SIGPROF, over_budget)
+    signal.setitimer(signal.ITIMER_PROF, 5.0)
+    try:
+        rc = plan_parallelism.main(["--arch", "transformer_lm_megatron_11b", *argv])
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
+    out, err = capsys.readouterr()
+    assert (rc, err) == (0, "") and "recommended: " in out or rc == 1 and err.startswith("error: no layout fits"), err

@@ -166,7 +166,7 @@ def refusal(row: Layout, shape: Shape, cpu: bool, seed: int) -> Optional[str]:
     try:
         cfg = _parse(fairseq_flags(row, shape, cpu, seed))
         grid = ParallelLayout(row.world_size, row.tensor, row.pipeline, row.context)
-        check_fully_sharded(cfg.distributed_training, cfg.common, cfg.ema, cfg.model)
+        check_fully_sharded(cfg.distributed_training, cfg.common, cfg.ema, cfg.model, cfg.checkpoint)
         check_pipeline_data_parallel_backend(cfg.distributed_training.ddp_backend, grid.pipeline, grid.data,
                                              grid.context)
         check_training_precision(cfg.common, fully_sharded=cfg.distributed_training.ddp_backend == "fully_sharded")

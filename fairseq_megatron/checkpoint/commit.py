@@ -6,7 +6,7 @@ save beside part 1 of the previous one. A save of a checkpoint ``NAME.pt`` in N 
 parts therefore goes:
 
 1. Every rank writes its part under a staged name,
-   ``NAME-model_part-K.pt.staged-TOKEN`` (:func:`staged_name`), TOKEN drawn
+   ``NAME-model_part-K.pt.staged-TOKEN`` (:func:`~fairseq_megatron.checkpoint.names.staged_name`), TOKEN drawn
    once per save and agreed by the ranks; the part records it
    (``extra_state["save"]``, with the update count).
 2. Once every rank has written its part, model-parallel rank 0 writes the
@@ -25,6 +25,11 @@ records. The writer, the next save of ``NAME``, discards what a killed save
 left (:func:`remove_stale`) and replaces the unfinished one. Megatron-LM's
 ``latest_checkpointed_iteration.txt`` plays the manifest's part there.
 
+Under sharded data parallelism every rank also saves an optimizer shard
+(:mod:`fairseq_megatron.checkpoint.optimizer_shards`): the commit then spans
+every rank, the manifest lists the shards too (``optimizer_shards``), and a
+model in one part has a manifest listing ``NAME.pt`` itself.
+
 Checkpoints without a manifest (one part, older runs, the published
 Megatron-11b) are read as before; their parts are compared by update count
 and save token (:func:`fairseq_megatron.checkpoint.part_files.check_one_save`).
@@ -35,9 +40,11 @@ import json
 import os
 import re
 import uuid
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from fairseq_megatron.checkpoint.layout import CheckpointError
+from fairseq_megatron.checkpoint.names import checkpoint_of_part
+from fairseq_megatron.checkpoint.optimizer_shards import part_of_shard
 
 MANIFEST_SUFFIX = ".manifest.json"
 _TOKEN = re.compile(r"[0-9a-f]{32}")  # new_token's: a uuid4 in hex
@@ -48,20 +55,18 @@ def new_token() -> str:
     return uuid.uuid4().hex
 
 
-def staged_name(part: str, token: str) -> str:
-    """Where part file ``part`` of the save ``token`` is written before the commit."""
-    return f"{part}.staged-{token}"
-
-
 def manifest_path(checkpoint: str) -> str:
     """The manifest of checkpoint ``checkpoint`` (``NAME.pt``, without a part suffix)."""
     return checkpoint + MANIFEST_SUFFIX
 
 
-def write_manifest(checkpoint: str, token: str, updates: int, parts: List[str]) -> None:
+def write_manifest(checkpoint: str, token: str, updates: int, parts: List[str],
+                   optimizer_shards: Sequence[str] = ()) -> None:
     """Commit the save ``token`` of ``checkpoint``: its manifest, listing
-    ``parts`` (their final names), written under a temporary name of its
-    own and renamed (the rename is the commit point).
+    ``parts`` (their final names; ``checkpoint`` itself for a model in one
+    part) and the ``optimizer_shards`` saved beside them
+    (:mod:`fairseq_megatron.checkpoint.optimizer_shards`), written under a
+    temporary name of its own and renamed (the rename is the commit point).
 
     Raises:
         OSError: the write failed (the temporary file is removed).
@@ -69,6 +74,8 @@ def write_manifest(checkpoint: str, token: str, updates: int, parts: List[str]) 
     from fairseq_megatron.files import written_whole
 
     record = {"token": token, "updates": updates, "parts": [os.path.basename(p) for p in parts]}
+    if optimizer_shards:
+        record["optimizer_shards"] = [os.path.basename(p) for p in optimizer_shards]
     with written_whole(manifest_path(checkpoint)) as partial:
         with open(partial, "w") as f:
             json.dump(record, f)
@@ -87,8 +94,6 @@ def read_manifest(checkpoint: str) -> Optional[dict]:
         CheckpointError: the manifest cannot be read, or is not one that
             :func:`write_manifest` writes for ``checkpoint``.
     """
-    from fairseq_megatron.checkpoint.part_files import checkpoint_of_part
-
     path = manifest_path(checkpoint)
     try:
         with open(path) as f:
@@ -103,13 +108,26 @@ def read_manifest(checkpoint: str) -> Optional[dict]:
     if not isinstance(token, str) or not _TOKEN.fullmatch(token):
         raise CheckpointError(f"{path} is not a checkpoint manifest: its token {token!r} is not a save's")
     directory = os.path.dirname(checkpoint)
+    one_part = record["parts"] == [os.path.basename(checkpoint)]
     for name in record["parts"]:
-        plain = isinstance(name, str) and name == os.path.basename(name) and name not in ("", ".", "..") and \
-            "\0" not in name and not (os.altsep and os.altsep in name)
-        if not plain or checkpoint_of_part(os.path.join(directory, name)) != checkpoint:
+        if one_part:
+            break
+        if not _plain(name) or checkpoint_of_part(os.path.join(directory, name)) != checkpoint:
             raise CheckpointError(f"{path} is not a checkpoint manifest: it lists {name!r}, which is not the name of "
                                   f"a part file of {checkpoint} in its directory")
+    parts = {os.path.join(directory, name) for name in record["parts"]}
+    shards = record.get("optimizer_shards", [])
+    for name in shards if isinstance(shards, list) else [shards]:
+        if not _plain(name) or part_of_shard(os.path.join(directory, name)) not in parts:
+            raise CheckpointError(f"{path} is not a checkpoint manifest: it lists {name!r}, which is not the name of "
+                                  f"an optimizer shard of a part of {checkpoint} in its directory")
     return record
+
+
+def _plain(name) -> bool:
+    """Whether ``name`` is a plain file name (``os.path.basename``'s, no directory in it)."""
+    return isinstance(name, str) and name == os.path.basename(name) and name not in ("", ".", "..") and \
+        "\0" not in name and not (os.altsep and os.altsep in name)
 
 
 def saved_token(state: dict) -> Optional[str]:

@@ -4,26 +4,37 @@ Under sharded data parallelism (``--ddp-backend fully_sharded``) each of the
 ``D`` data-parallel ranks of a model part holds ``1 / D`` of every
 parameter's optimizer state (Adam's moments): the rows ``torch.chunk`` gives
 it along dimension 0, as FSDP2 shards the parameter. Each rank saves its
-share beside the part file, ``NAME-model_part-K[-stage-S]-optimizer-D.pt``
-(:func:`shard_path`; ``NAME-optimizer-D.pt`` at one part), keyed by the
-parameter's state-dict key; the part file itself holds the model, gathered.
-Nothing is ever gathered whole on one rank.
+share beside the part file, ``NAME-model_part-K[-stage-S]-optimizer-R.pt``
+(:func:`shard_path`; ``NAME-optimizer-R.pt`` at one part), keyed by the
+parameter's state-dict key; the part file holds the model, gathered, and the
+number of shards (``optimizer_shards``) in place of ``last_optimizer_state``.
+The save is one commit of the part files and the shards
+(:mod:`fairseq_megatron.checkpoint.commit`: the manifest lists both, every
+file carries the save's token). Nothing is ever gathered whole on one rank.
 
 A run resumes from these files at any data-parallel size and under any
-backend: :func:`join` puts the shards of each parameter back together (one
-parameter at a time), :func:`placed_like` cuts the whole state the way the
-running rank holds its parameters (a ``DTensor`` shard, or all of it), and
-:func:`by_key` / :func:`as_optimizer_state` convert between torch's
-optimizer state (entries numbered in the optimizer's parameter order) and
-entries keyed by parameter name, so that a ``pytorch_ddp`` checkpoint's
-``last_optimizer_state`` resumes sharded and back.
+backend (:func:`optimizer_state_for`): each parameter's state is joined from
+the shards (:func:`join_one`, one parameter at a time, the shards read as
+memory maps) and cut the way the running rank holds the parameter
+(:func:`place_one`: a ``DTensor`` shard, or all of it); :func:`by_key` and
+:func:`as_optimizer_state` convert between torch's optimizer state (entries
+numbered in the optimizer's parameter order) and entries keyed by parameter
+name, so that a ``pytorch_ddp`` checkpoint's ``last_optimizer_state``
+resumes sharded and back. Megatron-Core's distributed optimizer saves its
+state by parameter the same way (``megatron/core/optimizer/distrib_optimizer.py``).
 """
 
-from typing import Dict, List, Tuple
+import os
+import re
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from fairseq_megatron.checkpoint.layout import CheckpointError
+from fairseq_megatron.checkpoint.names import staged_name
+
 SHARD_SUFFIX = "-optimizer-{}"
+SHARD_FILE_NAME = re.compile(r"(.*)" + re.escape(SHARD_SUFFIX.format("")) + r"(\d+)\.pt")
 
 PerKey = Dict[str, dict]
 """``{parameter key: {state name: value}}`` (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``)."""
@@ -32,6 +43,17 @@ PerKey = Dict[str, dict]
 def shard_path(part: str, rank: int) -> str:
     """Where data-parallel rank ``rank`` saves its optimizer shard of part file ``part``."""
     return part[: -len(".pt")] + SHARD_SUFFIX.format(rank) + ".pt"
+
+
+def part_of_shard(path: str) -> Optional[str]:
+    """The part file whose optimizer shard ``path`` is, or None for another name."""
+    m = SHARD_FILE_NAME.fullmatch(path)
+    return m.group(1) + ".pt" if m else None
+
+
+def shard_paths(parts: Iterable[str], shards: int) -> List[str]:
+    """The optimizer shards of ``parts``, ``shards`` each, part by part."""
+    return [shard_path(part, rank) for part in parts for rank in range(shards)]
 
 
 def by_key(optimizer_state: dict, keys: List[str]) -> Tuple[PerKey, dict]:
@@ -62,8 +84,8 @@ def as_optimizer_state(entries: PerKey, keys: List[str], rest: dict) -> dict:
 
 def local_share(entries: PerKey) -> Tuple[PerKey, Dict[str, tuple]]:
     """This rank's share of ``entries`` (a ``DTensor``'s local shard, any
-    other value as it is) and the whole shape of each sharded value, for
-    saving."""
+    other value as it is), on the CPU, and the whole shape of each sharded
+    value (``"key.name"``), for saving."""
     local, shapes = {}, {}
     for key, values in entries.items():
         local[key] = {}
@@ -75,51 +97,134 @@ def local_share(entries: PerKey) -> Tuple[PerKey, Dict[str, tuple]]:
     return local, shapes
 
 
-def join(shards: List[PerKey], shapes: Dict[str, tuple]) -> PerKey:
-    """The whole state of every parameter from the ``shards`` of all
-    data-parallel ranks, in rank order (:func:`local_share` of each), and
-    ``shapes``, the whole shapes of the sharded values: each sharded value's
+def shard_state(optimizer_state: dict, keys: List[str], token: Optional[str], rank: int, shards: int) -> dict:
+    """What data-parallel rank ``rank`` of ``shards`` saves in its shard file:
+    its share of ``optimizer_state`` (torch's, of the parameters ``keys``)
+    by key, the whole shapes, the rest of the state, and the save's
+    ``token``."""
+    entries, rest = by_key(optimizer_state, keys)
+    local, shapes = local_share(entries)
+    return {"entries": local, "shapes": shapes, "rest": rest, "keys": list(keys), "token": token, "rank": rank,
+            "shards": shards}
+
+
+def join_one(shards: List[dict], key: str) -> dict:
+    """The whole state of parameter ``key`` from ``shards`` (the
+    :func:`shard_state` of every rank, in rank order): each sharded value's
     pieces concatenated along dimension 0, the rest taken from rank 0.
 
     Raises:
-        ValueError: a joined value does not have its recorded shape (shards
-            of different saves, or missing).
+        ValueError: a joined value does not have its recorded shape.
     """
-    whole = {}
-    for key, values in shards[0].items():
-        whole[key] = {}
-        for name, value in values.items():
-            shape = shapes.get(f"{key}.{name}")
-            if shape is None:
-                whole[key][name] = value
-                continue
-            joined = torch.cat([shard[key][name] for shard in shards], dim=0)
-            if tuple(joined.shape) != tuple(shape):
-                raise ValueError(f"the optimizer shards of {key} ({name}) join to {tuple(joined.shape)}, "
-                                 f"not its {tuple(shape)}")
-            whole[key][name] = joined
+    first, whole = shards[0], {}
+    for name, value in first["entries"].get(key, {}).items():
+        shape = first["shapes"].get(f"{key}.{name}")
+        if shape is None:
+            whole[name] = value
+            continue
+        joined = torch.cat([shard["entries"][key][name] for shard in shards], dim=0)
+        if tuple(joined.shape) != tuple(shape):
+            raise ValueError(f"the optimizer shards of {key} ({name}) join to {tuple(joined.shape)}, "
+                             f"not its {tuple(shape)}")
+        whole[name] = joined
     return whole
 
 
-def placed_like(entries: PerKey, parameters: Dict[str, torch.Tensor]) -> PerKey:
-    """``entries`` (whole values) placed as the running rank holds each
-    parameter of ``parameters`` (by key): a ``DTensor`` value of this
-    rank's piece (cut as the parameter is, without communication: every
-    rank holds the whole value) for a sharded parameter, the whole value
-    otherwise. Values not shaped like their parameter (``step``) stay as
+def place_one(values: dict, param: torch.Tensor) -> dict:
+    """Whole ``values`` of one parameter's state placed as the running rank
+    holds ``param``: a ``DTensor`` of this rank's piece for a sharded
+    parameter (cut as the parameter is, without communication), the whole
+    value otherwise. Values not shaped like the parameter (``step``) stay as
     they are."""
     from fairseq_megatron.modules.sharding import local_piece
 
     placed = {}
-    for key, values in entries.items():
-        param = parameters[key]
-        placed[key] = {}
-        for name, value in values.items():
-            if torch.is_tensor(value) and hasattr(param, "device_mesh") and tuple(value.shape) == tuple(param.shape):
-                from torch.distributed.tensor import DTensor
+    for name, value in values.items():
+        if torch.is_tensor(value) and hasattr(param, "device_mesh") and tuple(value.shape) == tuple(param.shape):
+            from torch.distributed.tensor import DTensor
 
-                value = DTensor.from_local(local_piece(param, value).to(param.device), param.device_mesh,
-                                           param.placements, shape=param.shape, stride=param.stride(),
-                                           run_check=False)
-            placed[key][name] = value
+            value = DTensor.from_local(local_piece(param, value).to(param.device), param.device_mesh,
+                                       param.placements, shape=param.shape, stride=param.stride(), run_check=False)
+        placed[name] = value
     return placed
+
+
+def join(shards: List[dict]) -> PerKey:
+    """Every parameter's whole state from ``shards`` (:func:`join_one` of each)."""
+    return {key: join_one(shards, key) for key in shards[0]["entries"]}
+
+
+def placed_like(entries: PerKey, parameters: Dict[str, torch.Tensor]) -> PerKey:
+    """``entries`` (whole values) placed as the running rank holds each
+    parameter of ``parameters`` (:func:`place_one` of each)."""
+    return {key: place_one(values, parameters[key]) for key, values in entries.items()}
+
+
+def read_shards(part: str, shards: int, token: Optional[str]) -> List[dict]:
+    """The ``shards`` optimizer shard files of part file ``part`` (its final
+    name) of the save ``token``, as memory maps: each under its staged name
+    where a kill left it so (:mod:`fairseq_megatron.checkpoint.commit`),
+    else under its final name.
+
+    Raises:
+        CheckpointError: a shard missing, unreadable, or of another save.
+    """
+    found = []
+    for rank in range(shards):
+        path = shard_path(part, rank)
+        names = ([staged_name(path, token)] if token else []) + [path]
+        name = next((n for n in names if os.path.exists(n)), None)
+        if name is None:
+            raise CheckpointError(f"optimizer shard {path} of {part} is missing (the part was saved with {shards}): "
+                                  f"restore it, or resume with --reset-optimizer to start the optimizer afresh")
+        try:
+            state = torch.load(name, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:  # a file cut short, or not a checkpoint
+            raise CheckpointError(f"cannot read optimizer shard {name}: {str(e).splitlines()[0]}") from None
+        if not isinstance(state, dict) or state.get("token") != token or state.get("rank") != rank \
+                or state.get("shards") != shards:
+            raise CheckpointError(f"optimizer shard {name} is not rank {rank} of the {shards} shards of the save of "
+                                  f"{part}: a file of another save; resume with --reset-optimizer, or restore it")
+        found.append(state)
+    return found
+
+
+def optimizer_state_for(saved: dict, part: str, token: Optional[str], parameters: Dict[str, torch.Tensor]) -> \
+        Optional[dict]:
+    """torch's optimizer state for the running rank, whose trainable
+    parameters are ``parameters`` (state-dict key -> parameter, in the
+    optimizer's order), from checkpoint state ``saved`` of part file
+    ``part`` (final name) of save ``token``: its optimizer shards
+    (``saved["optimizer_shards"]``), or its whole ``last_optimizer_state``;
+    each value placed as the rank holds its parameter. None where the
+    checkpoint has no optimizer state.
+
+    Raises:
+        CheckpointError: a shard missing or of another save; optimizer
+            state of other parameters than ``parameters`` (another model,
+            or fairseq's ``--fp16`` optimizer, whose state is of one flat
+            vector).
+    """
+    keys = list(parameters)
+    try:
+        if saved.get("optimizer_shards"):
+            shards = read_shards(part, int(saved["optimizer_shards"]), token)
+            if shards[0]["keys"] != keys:
+                raise ValueError(f"the optimizer shards are of the parameters {_names(shards[0]['keys'])}, "
+                                 f"this model has {_names(keys)}")
+            entries = {key: place_one(join_one(shards, key), parameters[key]) for key in keys}
+            return as_optimizer_state(entries, keys, shards[0]["rest"])
+        whole = saved.get("last_optimizer_state")
+        if not isinstance(whole, dict):
+            return None
+        entries, rest = by_key(whole, keys)
+        return as_optimizer_state(placed_like(entries, parameters), keys, rest)
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(f"cannot resume the optimizer state of {part}: {e}; resume with --reset-optimizer "
+                              f"to start it afresh") from None
+
+
+def _names(keys: List[str]) -> str:
+    return f"{keys[0]} ... ({len(keys)})" if keys else "(none)"

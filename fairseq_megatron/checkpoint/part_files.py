@@ -16,69 +16,31 @@ import errno
 import glob
 import logging
 import os
-import re
 import shutil
 import zipfile
 from typing import List, Optional
 
-from fairseq_megatron.checkpoint.commit import check_tokens, manifest_path, read_manifest, saved_token, staged_name
+from fairseq_megatron.checkpoint.commit import check_tokens, manifest_path, read_manifest, saved_token
 from fairseq_megatron.checkpoint.layout import CheckpointError
+from fairseq_megatron.checkpoint.names import (  # noqa: F401  (the names' rules, used with the files')
+    PART_FILE_NAME,
+    PART_SUFFIX,
+    STAGE_SUFFIX,
+    checkpoint_of_part,
+    is_first_file,
+    output_paths,
+    part_path,
+    stage_path,
+    stage_suffix,
+    staged_name,
+)
 from fairseq_megatron.errors import check_directory_can_be_made
 
-PART_SUFFIX = "-model_part-{}"
-STAGE_SUFFIX = "-stage-{}"
 # Set to 1 to skip the CRC-32 check of every checkpoint file read (its cost: docs/benchmarks.md).
 SKIP_INTEGRITY_CHECK = "FAIRSEQ_MEGATRON_SKIP_INTEGRITY_CHECK"
 
 logger = logging.getLogger(__name__)
 _READ = object()  # a manifest argument not given: read it from disk
-
-
-def part_path(path: str, rank: int) -> str:
-    """fairseq's name for model part ``rank`` of ``path``: ``model.pt`` -> ``model-model_part-{rank}.pt``."""
-    if not path.endswith(".pt"):
-        raise CheckpointError(f"checkpoint path must end in .pt: {path}")
-    return path[: -len(".pt")] + PART_SUFFIX.format(rank) + ".pt"
-
-
-def stage_suffix(rank: int, stage: int) -> str:
-    """The suffix of tensor part ``rank`` of pipeline stage ``stage``: ``-model_part-{rank}-stage-{stage}``."""
-    return PART_SUFFIX.format(rank) + STAGE_SUFFIX.format(stage)
-
-
-def stage_path(path: str, rank: int, stage: int) -> str:
-    """``model.pt`` -> ``model-model_part-{rank}-stage-{stage}.pt``."""
-    if not path.endswith(".pt"):
-        raise CheckpointError(f"checkpoint path must end in .pt: {path}")
-    return path[: -len(".pt")] + stage_suffix(rank, stage) + ".pt"
-
-
-_PART_NAME = re.compile(r"(.*)" + re.escape(PART_SUFFIX.format("")) + r"(\d+)(?:" +
-                        re.escape(STAGE_SUFFIX.format("")) + r"(\d+))?\.pt")
-
-
-def checkpoint_of_part(path: str) -> Optional[str]:
-    """The checkpoint name that part file ``path`` belongs to
-    (``model-model_part-3.pt`` and ``model-model_part-3-stage-1.pt`` ->
-    ``model.pt``), or None for a name without the part suffix."""
-    m = _PART_NAME.fullmatch(path)
-    return m.group(1) + ".pt" if m else None
-
-
-def is_first_file(path: str) -> bool:
-    """Whether ``path`` is part 0 (of stage 0) of its checkpoint: the file
-    whose removal takes the checkpoint's manifest with it."""
-    m = _PART_NAME.fullmatch(path)
-    return bool(m) and int(m.group(2)) == 0 and int(m.group(3) or 0) == 0
-
-
-def output_paths(path: str, num_parts: int, stages: int = 1) -> List[str]:
-    """Where a checkpoint of ``num_parts`` tensor parts and ``stages``
-    pipeline stages named ``path`` lives (``path`` itself for one of each),
-    part by part, each part's stages in turn (the order of :func:`all_files`)."""
-    if stages > 1:
-        return [stage_path(path, r, s) for r in range(num_parts) for s in range(stages)]
-    return [path] if num_parts == 1 else [part_path(path, r) for r in range(num_parts)]
 
 
 def _stages_on_disk(path: str) -> dict:
@@ -88,7 +50,7 @@ def _stages_on_disk(path: str) -> dict:
     found = {}
     prefix = path[: -len(".pt")] + PART_SUFFIX.format("")
     for p in glob.glob(glob.escape(prefix) + "*" + STAGE_SUFFIX.format("*") + ".pt"):
-        m = _PART_NAME.fullmatch(p)
+        m = PART_FILE_NAME.fullmatch(p)
         if m and m.group(1) + ".pt" == path and m.group(3) is not None:
             found.setdefault(int(m.group(2)), []).append(int(m.group(3)))
     return {k: sorted(v) for k, v in found.items()}
@@ -106,7 +68,7 @@ def stage_files(part: str, manifest=_READ) -> List[str]:
     which checked that no stage is missing) names, stage by stage: ``[part]``
     for a part without stages, all stages of a stage-0 file (those the
     checkpoint's ``manifest`` lists, where it has one: read unless given)."""
-    m = _PART_NAME.fullmatch(part)
+    m = PART_FILE_NAME.fullmatch(part)
     if not m or m.group(3) is None:
         return [part]
     checkpoint, rank = m.group(1) + ".pt", int(m.group(2))
@@ -114,7 +76,7 @@ def stage_files(part: str, manifest=_READ) -> List[str]:
     if manifest is not None:
         directory = os.path.dirname(checkpoint)
         listed = [os.path.join(directory, name) for name in manifest["parts"]]
-        return [f for f in listed if int(_PART_NAME.fullmatch(f).group(2)) == rank]
+        return [f for f in listed if int(PART_FILE_NAME.fullmatch(f).group(2)) == rank]
     return [stage_path(checkpoint, rank, s) for s in _stages_on_disk(checkpoint).get(rank, [])]
 
 
@@ -197,7 +159,10 @@ def _files_of_manifest(path: str, manifest: dict, ranks: List[int], staged: dict
     or layout."""
     directory = os.path.dirname(path)
     listed = [os.path.join(directory, name) for name in manifest["parts"]]
-    parts = len({_PART_NAME.fullmatch(f).group(2) for f in listed})  # read_manifest checked the names
+    if listed == [path]:  # a model in one part, saved with optimizer shards
+        parts = 1
+    else:
+        parts = len({PART_FILE_NAME.fullmatch(f).group(2) for f in listed})  # read_manifest checked the names
     stages = len(listed) // parts
     if listed != output_paths(path, parts, stages):
         raise CheckpointError(f"{manifest_path(path)} is not a checkpoint manifest: its files "
@@ -208,6 +173,8 @@ def _files_of_manifest(path: str, manifest: dict, ranks: List[int], staged: dict
                                   f"nor {os.path.basename(staged_name(f, manifest['token']))} exists")
     on_disk = ([path] if os.path.exists(path) else []) + [part_path(path, r) for r in ranks] + [
         stage_path(path, r, s) for r, stages_of_r in staged.items() for s in stages_of_r]
+    if listed == [path]:
+        on_disk = on_disk[1:] if on_disk[:1] == [path] else on_disk
     others = [f for f in on_disk if f not in listed]
     if others:
         raise CheckpointError(f"{others[0]} exists beside the save that {manifest_path(path)} records, which does not "
@@ -300,6 +267,8 @@ def check_one_save(files: List[str], states: Optional[List[dict]] = None, manife
     through a memory map, without its tensors (files in torch's legacy
     format cannot be, and are not compared)."""
     checkpoint = checkpoint_of_part(files[0]) if files else None
+    if len(files) == 1 and checkpoint is None and files[0].endswith(".pt"):
+        checkpoint = files[0]  # a model in one part: its manifest, where saved with optimizer shards
     manifest = _manifest_of(checkpoint, manifest)
     if len(files) < 2 and manifest is None:
         return

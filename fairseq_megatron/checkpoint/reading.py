@@ -23,16 +23,19 @@ two saves. Elsewhere the names are read again, and a change is found by
 the consistency checks (a replicated weight that differs between parts).
 """
 
+import contextlib
 import os
 import time
 import weakref
 import zipfile
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 from fairseq_megatron.checkpoint import safe_loading
-from fairseq_megatron.checkpoint.commit import manifest_path, read_manifest, saved_token, staged_name
+from fairseq_megatron.checkpoint.commit import manifest_path, read_manifest
 from fairseq_megatron.checkpoint.layout import CheckpointError
 from fairseq_megatron.checkpoint.part_files import all_files, check_one_save, check_whole, find_part_files
+from fairseq_megatron.checkpoint.names import staged_name
 
 # Saves seen to change under the reader before it gives up.
 ATTEMPTS = 10
@@ -46,22 +49,61 @@ class _Changed(Exception):
     """One attempt saw the checkpoint change (internal)."""
 
 
-class ReadThrough(str):
-    """The name of a checkpoint file (the name it has on disk now, for
-    messages and for fairseq's tests that it exists) whose content is read
-    through :attr:`source`, the file as :func:`open_save` opened it.
-    Holds its :class:`OpenedSave` open while it lives."""
+@dataclass(frozen=True)
+class FileAsOpened:
+    """A checkpoint file as :func:`open_save` opened it: ``name``, the name
+    it has on disk (for messages, and for fairseq's tests that it exists),
+    and ``source``, the path that reads it as it was opened. Holds its
+    :class:`OpenedSave` open while it lives."""
 
-    def __new__(cls, name: str, source: str, opened: "OpenedSave"):
-        read = super().__new__(cls, name)
-        read.source, read.opened = source, opened
-        return read
+    name: str
+    source: str
+    opened: "OpenedSave" = field(repr=False, compare=False)
 
 
-def source_of(path: str) -> str:
-    """Where to read checkpoint file ``path``: a :class:`ReadThrough`'s
-    source, any other name itself."""
-    return getattr(path, "source", path)
+def source_of(file: Union[str, FileAsOpened]) -> str:
+    """Where to read checkpoint file ``file``: a :class:`FileAsOpened`'s
+    source, a name itself."""
+    return file.source if isinstance(file, FileAsOpened) else file
+
+
+def name_of(file: Union[str, FileAsOpened]) -> str:
+    """How messages name checkpoint file ``file``."""
+    return file.name if isinstance(file, FileAsOpened) else file
+
+
+@dataclass
+class PreparedCheckpoint:
+    """A checkpoint file as a rank is to load it, for a loader that takes a
+    file name (fairseq's ``Trainer.load_checkpoint``): ``name``, a file on
+    disk, and what reading it gives while :func:`prepared_for_loading` is
+    open: ``state``, built in memory (a part resharded from another size,
+    EMA weights added), or else the file read as opened (``file``)."""
+
+    name: str
+    file: Optional[FileAsOpened] = None
+    state: Optional[dict] = None
+
+
+_prepared: Dict[str, PreparedCheckpoint] = {}
+
+
+@contextlib.contextmanager
+def prepared_for_loading(prepared: PreparedCheckpoint) -> Iterator[str]:
+    """Within this context reading ``prepared.name``
+    (:func:`prepared_under`, which fairseq's ``load_checkpoint_to_cpu`` asks)
+    gives ``prepared``'s state or file; yields the name to hand the loader."""
+    _prepared[prepared.name] = prepared
+    try:
+        yield prepared.name
+    finally:
+        _prepared.pop(prepared.name, None)
+
+
+def prepared_under(name) -> Optional[PreparedCheckpoint]:
+    """The :class:`PreparedCheckpoint` a :func:`prepared_for_loading` context
+    holds for file ``name``, or None."""
+    return _prepared.get(name) if isinstance(name, str) else None
 
 
 class OpenedSave:
@@ -87,10 +129,10 @@ class OpenedSave:
         proc = f"/proc/self/fd/{fd}"
         return proc if os.path.exists(proc) else opened_as
 
-    def read_through(self, name: str) -> ReadThrough:
-        """File ``name`` as a :class:`ReadThrough`, named as it is on disk
-        (its staged name while a kill left it so)."""
-        return ReadThrough(self._opened[name][1], self.source(name), self)
+    def read_through(self, name: str) -> FileAsOpened:
+        """File ``name`` (one of :attr:`every_file`) as opened, named as it
+        is on disk (its staged name while a kill left it so)."""
+        return FileAsOpened(self._opened[name][1], self.source(name), self)
 
     def identity(self) -> tuple:
         """What tells this save from another: the manifest's token, or each
@@ -159,7 +201,7 @@ def _open_once(path: str, metadata: bool) -> OpenedSave:
     try:
         for name in every_file:
             check_whole(save.source(name), name)
-        if metadata and len(every_file) > 1:
+        if metadata and (len(every_file) > 1 or manifest is not None):
             states = [_metadata(save.source(name), name) for name in every_file]
             try:
                 check_one_save(every_file, states, manifest)

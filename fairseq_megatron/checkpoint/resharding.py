@@ -63,7 +63,7 @@ from fairseq_megatron.checkpoint.part_files import (
     stage_path,
     write_error,
 )
-from fairseq_megatron.checkpoint.reading import OpenedSave, open_save, source_of
+from fairseq_megatron.checkpoint.reading import OpenedSave, name_of, open_save, source_of
 from fairseq_megatron.files import new_temporary
 
 EMBED_KEYS = ("decoder.embed_tokens.weight", "decoder.output_projection.weight")
@@ -239,31 +239,32 @@ def merge_stages(states: List[dict], files: List[str]) -> dict:
     return merged
 
 
-def saved_vocabulary(path: str) -> Tuple[Optional[int], Optional[int]]:
-    """``(rows, dictionary_size)`` of checkpoint file ``path``: the rows of its
-    token embedding (one model part: the padded vocabulary divided by the
-    size it was saved at) and the dictionary size its config records, read
-    through a memory map without loading the tensors (through its source,
-    a :class:`~fairseq_megatron.checkpoint.reading.ReadThrough`'s). Each is
-    None when unknown: a file in the legacy format, without that tensor, or
-    saved before the dictionary size was recorded."""
+def saved_vocabulary(path) -> Tuple[Optional[int], Optional[int]]:
+    """``(rows, dictionary_size)`` of checkpoint file ``path`` (a name, or a
+    :class:`~fairseq_megatron.checkpoint.reading.FileAsOpened`): the rows of
+    its token embedding (one model part: the padded vocabulary divided by
+    the size it was saved at) and the dictionary size its config records,
+    read through a memory map without loading the tensors. Each is None when
+    unknown: a file in the legacy format, without that tensor, or saved
+    before the dictionary size was recorded."""
     if not can_be_memory_mapped(source_of(path)):
         return None, None
-    state = _load(source_of(path), name=path)
+    state = _load(source_of(path), name=name_of(path))
     embedding = state["model"].get(EMBED_KEYS[0])
     return (None if embedding is None else embedding.size(0),
             config_value(model_config(state), "dictionary_size"))
 
 
-def read_checkpoint(path: str) -> dict:
-    """``torch.load`` of one checkpoint file to CPU, memory-mapped unless it is
-    in the legacy format.
+def read_checkpoint(path) -> dict:
+    """``torch.load`` of one checkpoint file to CPU (a name, or a
+    :class:`~fairseq_megatron.checkpoint.reading.FileAsOpened`),
+    memory-mapped unless it is in the legacy format.
 
     Raises:
         CheckpointError: unreadable (truncated, not a torch file) or not a
             fairseq checkpoint.
     """
-    return _load(source_of(path), mmap=can_be_memory_mapped(source_of(path)), name=path)
+    return _load(source_of(path), mmap=can_be_memory_mapped(source_of(path)), name=name_of(path))
 
 
 def check_part_count(path: str, files: List[str], first: Optional[dict] = None, stages: int = 1) -> None:

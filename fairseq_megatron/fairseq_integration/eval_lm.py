@@ -220,7 +220,7 @@ def eval_lm(models, source_dictionary, batch_iterator, post_process=None, output
     Raises:
         UsageError: no token was scored (in all shards).
     """
-    from fairseq_megatron.fairseq_integration.trainer import is_our_model
+    from fairseq_megatron.models.model_parallel_transformer_lm import is_our_model
 
     fairseq_eval_lm = original(_cli(), "eval_lm")
     run = current_run()

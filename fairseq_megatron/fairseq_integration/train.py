@@ -74,7 +74,7 @@ def main(cfg, **kwargs):
         return run(cfg, **kwargs)
     check_directory_can_be_made(cfg.checkpoint.save_dir, f"--save-dir {cfg.checkpoint.save_dir}")
     layout = parallel_state.get_parallel_layout()  # built from cfg at launch, its sizes checked there
-    check_fully_sharded(cfg.distributed_training, cfg.common, cfg.ema, cfg.model)
+    check_fully_sharded(cfg.distributed_training, cfg.common, cfg.ema, cfg.model, cfg.checkpoint)
     check_pipeline_data_parallel_backend(cfg.distributed_training.ddp_backend, layout.pipeline, layout.data,
                                          layout.context)
     check_training_precision(cfg.common, fully_sharded=cfg.distributed_training.ddp_backend == "fully_sharded")

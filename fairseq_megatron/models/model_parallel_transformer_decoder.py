@@ -1,11 +1,18 @@
 """The tensor-parallel Transformer decoder: its layers, and its forward with
-tensor and sequence parallelism.
+tensor, sequence and context parallelism.
 
 Everything else that changes how a training pass runs is applied to a built
 model from outside, by :mod:`fairseq_megatron.training`: the pipeline
 split, activation checkpointing and offload, compilation, CUDA graphs and
 bf16 autocast. State-dict keys and per-rank shapes are those of fairseq's
 ``model_parallel/models/transformer.py``.
+
+Context parallelism (``context_split``, which training sets where
+``--context-parallel-size`` C > 1): passes without an incremental state
+embed the whole sequence, padded to a multiple of ``2C``, and keep this
+rank's ``T / C`` positions (``embed``); the layers run on them, with a mask
+by global position (``buffered_future_mask``), and the output holds their
+logits ``(B, T / C, V)``, whose targets are ``local_targets``.
 """
 
 import functools
@@ -47,14 +54,7 @@ class ModelParallelTransformerDecoder(KeepsParameterAttributes, TransformerDecod
     ``tensor_parallel``: the group its layers split over (default: this
     rank's; a :class:`~fairseq_megatron.parallel.parallel_state.RankGroup`
     builds rank ``k`` of ``T`` without process groups).
-
-    Context parallelism (:attr:`context_split`, which training sets where
-    ``--context-parallel-size`` C > 1): passes without an incremental state
-    embed the whole sequence, padded to a multiple of ``2C``, and keep this
-    rank's ``T / C`` positions (:meth:`embed`); the layers run on them, with
-    a mask by global position (:meth:`buffered_future_mask`), and the output
-    holds their logits ``(B, T / C, V)``, whose targets are
-    :meth:`local_targets`.
+    Context parallelism: see the module docstring.
     """
 
     context_split = None
@@ -88,18 +88,7 @@ class ModelParallelTransformerDecoder(KeepsParameterAttributes, TransformerDecod
 
     def build_output_projection(self, cfg, dictionary, embed_tokens):
         if self.share_input_output_embed:
-            # nn.Linear whose weight *is* the embedding shard, (V / N, C): keeps
-            # fairseq's key decoder.output_projection.weight, tied as in fairseq.
-            # Its own weight is replaced at once; where a checkpoint's weights
-            # follow, it is not even drawn (2.6 s of CPU for Megatron-11b's).
-            # Deferred, the draw (thrown away again) keeps its place in the
-            # generator's sequence, so the layers after it get their weights.
-            shape = (embed_tokens.weight.shape[1], embed_tokens.weight.shape[0])
-            linear = nn.Linear
-            if sharding.draw_later(functools.partial(nn.Linear, *shape, bias=False)):
-                linear = functools.partial(torch.nn.utils.skip_init, nn.Linear, device="meta")
-            self.output_projection = linear(*shape, bias=False)
-            self.output_projection.weight = embed_tokens.weight
+            self.output_projection = tied_output_projection(embed_tokens)
         else:
             dim = self.output_embed_dim
             self.output_projection = ColumnParallelLinear(
@@ -278,39 +267,56 @@ class ModelParallelTransformerDecoder(KeepsParameterAttributes, TransformerDecod
                 gather_logits: bool = True):
         """``prev_output_tokens`` ``(B, T)`` -> (logits ``(B, T, V)`` or
         ``(B, T, V / N)`` with ``gather_logits=False``, extra dict)."""
-        x, extra = self.extract_features(
-            prev_output_tokens,
-            encoder_out=encoder_out,
-            incremental_state=incremental_state,
-            full_context_alignment=full_context_alignment,
-            alignment_layer=alignment_layer,
-            alignment_heads=alignment_heads,
-        )
+        x, extra = self.extract_features(prev_output_tokens, encoder_out=encoder_out,
+                                         incremental_state=incremental_state,
+                                         full_context_alignment=full_context_alignment,
+                                         alignment_layer=alignment_layer, alignment_heads=alignment_heads)
         if not features_only:
             x = self.output_layer(x, gather_logits=gather_logits)
         return x, extra
 
     def __deepcopy__(self, memo):
-        """A copy (fairseq's ``--store-ema``, or a user's) with wrappers of its
-        own (:func:`~fairseq_megatron.modules.forward_wrappers.rewrap`)."""
+        """A copy (``--store-ema``, or a user's) with wrappers of its own (:func:`~.forward_wrappers.rewrap`)."""
         copied = super().__deepcopy__(memo)
         rewrap(copied)
         return copied
 
     def upgrade_state_dict_named(self, state_dict, name):
-        """fairseq's upgrade, minus one false alarm: a state dict without the
-        ``{name}.version`` buffer was taken for a checkpoint from before the
-        final layer norm existed, and the norm was deleted from this decoder
-        (``TransformerDecoderBase.upgrade_state_dict_named``). fairseq's EMA
-        (``--store-ema``) loads such a dict into its copy after every update,
-        since it skips keys named "version" (``fairseq/models/ema/ema.py``):
-        the EMA model then ran without its final layer norm and was saved
-        without it. A dict that holds the final norm's weights is no such old
-        checkpoint; it gets the current version."""
-        version_key = f"{name}.version"  # fairseq's key (the model names its decoder "decoder")
-        if version_key not in state_dict and f"{name}.layer_norm.weight" in state_dict:
-            state_dict[version_key] = self.version.detach().clone()
+        """fairseq's upgrade, minus one false alarm (:func:`version_of_a_final_norm`)."""
+        version_of_a_final_norm(state_dict, name, self.version)
         result = super().upgrade_state_dict_named(state_dict, name)
         if self.output_projection is None:  # fairseq added the tied projection's key (a stage before the last)
             state_dict.pop(f"{name}.output_projection.weight", None)
         return result
+
+
+def tied_output_projection(embed_tokens: nn.Module) -> nn.Linear:
+    """An ``nn.Linear`` whose weight *is* the embedding shard, ``(V / N, C)``:
+    it keeps fairseq's key ``decoder.output_projection.weight``, tied as in
+    fairseq. Its own weight is replaced at once; where a checkpoint's
+    weights follow, it is not even drawn (2.6 s of CPU for Megatron-11b's).
+    Deferred, the draw (thrown away again) keeps its place in the
+    generator's sequence, so the layers after it get their weights."""
+    shape = (embed_tokens.weight.shape[1], embed_tokens.weight.shape[0])
+    linear = nn.Linear
+    if sharding.draw_later(functools.partial(nn.Linear, *shape, bias=False)):
+        linear = functools.partial(torch.nn.utils.skip_init, nn.Linear, device="meta")
+    projection = linear(*shape, bias=False)
+    projection.weight = embed_tokens.weight
+    return projection
+
+
+def version_of_a_final_norm(state_dict: dict, name: str, version: torch.Tensor) -> None:
+    """Give decoder ``name``'s state dict the current ``version`` where it
+    holds the final layer norm's weights but no version. fairseq took a
+    state dict without the ``{name}.version`` buffer for a checkpoint from
+    before the final layer norm existed, and deleted the norm from the
+    decoder (``TransformerDecoderBase.upgrade_state_dict_named``). fairseq's
+    EMA (``--store-ema``) loads such a dict into its copy after every
+    update, since it skips keys named "version" (``fairseq/models/ema/ema.py``):
+    the EMA model then ran without its final layer norm and was saved
+    without it. A dict that holds the final norm's weights is no such old
+    checkpoint."""
+    version_key = f"{name}.version"  # fairseq's key (the model names its decoder "decoder")
+    if version_key not in state_dict and f"{name}.layer_norm.weight" in state_dict:
+        state_dict[version_key] = version.detach().clone()

@@ -17,6 +17,7 @@ from fairseq.models.transformer_lm import TransformerLanguageModel, base_lm_arch
 from fairseq.utils import safe_getattr
 
 from fairseq_megatron.errors import UsageError
+from fairseq_megatron.models.arguments import add_model_arguments
 from fairseq_megatron.models.model_parallel_transformer_decoder import ModelParallelTransformerDecoder
 from fairseq_megatron.models.options import (
     check_dictionary_size,
@@ -53,88 +54,7 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
     @staticmethod
     def add_args(parser):
         TransformerLanguageModel.add_args(parser)
-        parser.add_argument(
-            "--compile-layers", action="store_true",
-            help="torch.compile the decoder layers for training steps (fuses layer norm, bias, "
-                 "GeLU, dropout and residual adds), and the vocab-parallel loss's softmax passes. "
-                 "At model-parallel size 1 without --checkpoint-activations the whole layer stack "
-                 "is one compiled region (fewer host calls per step); otherwise each layer is. "
-                 "The first steps pay the compilation",
-        )
-        parser.add_argument(
-            "--cuda-graphs", action="store_true",
-            help="with --compile-layers at model-parallel size 1 without --checkpoint-activations "
-                 "(training refuses it otherwise), "
-                 "replay the compiled layer stack as CUDA graphs (torch.compile mode "
-                 "'reduce-overhead'): the host launches each training step's layers with one call "
-                 "forward and one backward. Pays where the host limits the step (smaller models); "
-                 "the graphs keep their own memory pool, and each new batch shape records another "
-                 "graph, so train with fixed shapes (--sample-break-mode none). Refused with "
-                 "--update-freq > 1 (replays would overwrite the accumulating gradients). No effect on CPU",
-        )
-        parser.add_argument(
-            "--sequence-parallel", action="store_true",
-            help="in training, keep layer norms, dropout and residuals on T / N sequence shards "
-                 "(all-gather + reduce-scatter instead of all-reduce; Megatron-LM v3). Needs "
-                 "--tokens-per-sample divisible by --model-parallel-size; batches whose length "
-                 "is not run the plain tensor-parallel path",
-        )
-        parser.add_argument(
-            "--bf16-autocast", action="store_true",
-            help="training forward passes run under torch.autocast(bfloat16) with fp32 weights, "
-                 "fp32 gradients and no loss scaling (train without --fp16/--amp; fairseq's own "
-                 "--bf16 means TPU). Evaluation and generation are not affected",
-        )
-        parser.add_argument(
-            "--fp8", action="store_true",
-            help="training passes compute the matrix products of the decoder layers' linears (q/k/v, "
-                 "attention output, FFN) in float8 through torchao's float8 training (pip install "
-                 "'fairseq_megatron[fp8]'); needs a GPU of compute capability 8.9 or newer (Ada, Hopper). "
-                 "Weights, gradients, optimizer state and checkpoints keep their dtype; the output "
-                 "projection, evaluation and generation stay in high precision. Use with --bf16-autocast "
-                 "(or fp32) and --compile-layers; refused with --fp16, --memory-efficient-fp16, --amp and "
-                 "pipeline stages",
-        )
-        parser.add_argument(
-            "--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise",
-            help="torchao's float8 scaling with --fp8: tensorwise (one dynamic scale per tensor, e5m2 "
-                 "gradients; the faster) or rowwise (a power-of-two scale per row, e4m3 throughout)",
-        )
-        parser.add_argument(
-            "--pipeline-model-parallel-size", type=int, metavar="P", default=1,
-            help="split the decoder layers evenly over P pipeline stages, one per process (with "
-                 "--model-parallel-size T the world size is a multiple of T x P); training runs "
-                 "each update's --update-freq micro-batches through the 1F1B schedule, so it needs "
-                 "--update-freq >= P, --sample-break-mode none and the vocab_parallel_cross_entropy "
-                 "criterion. Checkpoints hold one file per stage and tensor part; evaluation and "
-                 "generation load them at one stage",
-        )
-        parser.add_argument(
-            "--virtual-pipeline-model-parallel-size", type=int, metavar="V", default=1,
-            help="with --pipeline-model-parallel-size P, give each stage V model chunks of "
-                 "L / (P x V) layers (stage s holds chunks s, s + P, ...) and run the interleaved 1F1B "
-                 "schedule: the pipeline bubble shrinks by V for V times the stages' point-to-point "
-                 "messages. Needs the layers divisible by P x V and --update-freq divisible by P; "
-                 "checkpoints keep the global layer numbers, so they load at any P and V",
-        )
-        parser.add_argument(
-            "--context-parallel-size", type=int, metavar="C", default=1,
-            help="split each sequence over C ranks along time (Megatron-LM's context parallelism; rank i "
-                 "holds chunks i and 2C-1-i of 2C, for causal load balancing); attention all-gathers the "
-                 "keys and values within the C ranks. The world size is a multiple of T x C x P; the C "
-                 "ranks read the same batches (--batch-size counts whole sequences per model copy) and "
-                 "their gradients are averaged with the data-parallel ones. Needs --tokens-per-sample "
-                 "divisible by 2C, --sample-break-mode none and the vocab_parallel_cross_entropy "
-                 "criterion. Checkpoints do not depend on C; evaluation and generation run at C = 1",
-        )
-        parser.add_argument(
-            "--padded-vocab-size", type=int, metavar="N",
-            help="rows of the vocab-parallel embedding and softmax: the dictionary padded with "
-                 "madeupword symbols (default: its size rounded up to a multiple of 8 x the "
-                 "model-parallel size). Checkpoints record it; training on from a checkpoint "
-                 "resharded to another model-parallel size needs the recorded value when the "
-                 "default at the new size differs (fairseq-train says so)",
-        )
+        add_model_arguments(parser)
 
     @classmethod
     def build_model(cls, args, task, tensor_parallel=parallel_state.DEFAULT_GROUP):
@@ -297,6 +217,15 @@ def transformer_lm_megatron(args):
 def transformer_lm_megatron_11b(args):
     """Megatron-11b: 72 layers, hidden 3072, FFN 6 x 3072 = 18432, 32 heads, gelu, dropout 0.1."""
     _megatron_common(args, ffn_multiple=6)
+
+
+def is_our_model(model) -> bool:
+    """Whether ``model`` (possibly wrapped, e.g. in DDP) is one of our LMs."""
+    for _ in range(3):  # fairseq's ModuleProxyWrapper around torch's DDP around the model, at most
+        if isinstance(model, ModelParallelTransformerLanguageModel):
+            return True
+        model = getattr(model, "module", None) if isinstance(model, torch.nn.Module) else None
+    return False
 
 
 def is_model_parallel_arch(name) -> bool:

@@ -102,19 +102,22 @@ def pad_dictionary(dictionary, model_parallel_size: int, padded_vocab_size: Opti
     return len(dictionary)
 
 
-def check_fully_sharded(distributed, common, ema, model) -> None:
+def check_fully_sharded(distributed, common, ema, model, checkpoint=None) -> None:
     """Refuse what ``--ddp-backend fully_sharded`` (torch's FSDP2,
     :mod:`fairseq_megatron.training.fully_sharded`) does not do for our
     models; nothing for other backends. ``distributed``, ``common``,
-    ``ema``: fairseq's ``cfg.distributed_training``, ``cfg.common``,
-    ``cfg.ema``; ``model``: the model config.
+    ``ema``, ``checkpoint``: fairseq's ``cfg.distributed_training``,
+    ``cfg.common``, ``cfg.ema``, ``cfg.checkpoint``; ``model``: the model
+    config.
 
     fairscale's options have no FSDP2 counterpart (``--cpu-offload``,
     ``--use-sharded-state``: the checkpoints are always this package's part
     files plus one optimizer shard per data-parallel rank); ``--zero-sharding
     os`` shards the optimizer state a second time; ``--cuda-graphs`` would
     replay FSDP2's collectives; fairseq's EMA and ``--amp`` copy or scale
-    the parameters whole.
+    the parameters whole; a save, which every rank takes part in (each
+    writes its optimizer shard, one commit of all), is written
+    synchronously to a local directory.
 
     Raises:
         UsageError: the first of these.
@@ -127,6 +130,10 @@ def check_fully_sharded(distributed, common, ema, model) -> None:
         refused.append(f"--zero-sharding {distributed.zero_sharding}")
     refused += [flag for flag, given in (("--cuda-graphs", safe_getattr(model, "cuda_graphs", False)),
                                          ("--store-ema", ema.store_ema), ("--amp", common.amp)) if given]
+    if checkpoint is not None and checkpoint.write_checkpoints_asynchronously and not checkpoint.no_save:
+        refused.append("--write-checkpoints-asynchronously")  # every rank takes part in a save
+    if checkpoint is not None and "://" in (checkpoint.save_dir or "") and not checkpoint.no_save:
+        refused.append(f"--save-dir {checkpoint.save_dir} (a remote file system)")
     if refused:
         raise UsageError(f"{refused[0]} does not work with --ddp-backend fully_sharded (torch's FSDP2 shards "
                          f"parameters, gradients and optimizer state over the data-parallel ranks); drop it, "

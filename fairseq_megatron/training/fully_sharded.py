@@ -26,6 +26,10 @@ tensor parallelism and pipeline stages.
 - FSDP2 replaces every parameter by a ``DTensor`` and drops its Python
   attributes; :func:`apply_fully_sharded` tags the replacements again
   (:mod:`fairseq_megatron.modules.parameter_attributes`).
+- Checkpoints: the model is gathered one tensor at a time
+  (:func:`gathered_state_dict`) into this package's part files, and the
+  optimizer state saved in shards, one file per data-parallel rank
+  (:mod:`fairseq_megatron.checkpoint.optimizer_shards`).
 """
 
 from typing import Iterable, List
@@ -105,3 +109,20 @@ def shard_model(model: nn.Module, roots: List[nn.Module], cfg) -> None:
                             mp_policy=mixed_precision_policy(cfg.common.fp16, distributed.fp32_reduce_scatter),
                             deferred=model.deferred_initialisation)
     retag_parameters(model)
+
+
+def gathered_state_dict(state: dict, keep: bool) -> dict:
+    """The model ``state`` (``model.state_dict()`` of a sharded model, its
+    values ``DTensor`` shards) gathered whole, one tensor at a time: each
+    sharded value all-gathered over its mesh (``full_tensor``, a collective
+    every rank of the mesh calls, in the state's key order) and, where
+    ``keep``, moved to the CPU; elsewhere dropped at once, so that no rank
+    holds more than its share plus one gathered tensor on the device.
+    Returns the whole state where ``keep``, else an empty dict."""
+    gathered = {}
+    for key, value in state.items():
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        if keep:
+            gathered[key] = value.detach().cpu() if torch.is_tensor(value) else value
+    return gathered

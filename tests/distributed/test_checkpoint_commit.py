@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 
-from fairseq_megatron.checkpoint.commit import staged_name
 from fairseq_megatron.checkpoint.part_files import check_complete, find_part_files, part_path, update_count
 from fairseq_megatron.checkpoint.reading import open_save
+from fairseq_megatron.checkpoint.names import staged_name
 from tests.helpers import init_model_parallel, run_distributed
 from tests.support.full_disk import FullDiskAt
 
@@ -26,7 +26,7 @@ class _Stopped(Exception):
 
 def _commit_worker(rank, world_size, root, fault, then_save=False):
     from fairseq_megatron.checkpoint.layout import CheckpointError
-    from fairseq_megatron.fairseq_integration import checkpoint_utils
+    from fairseq_megatron.checkpoint import saving
 
     init_model_parallel(world_size)
     path = os.path.join(root, "checkpoint_last.pt")
@@ -35,7 +35,7 @@ def _commit_worker(rank, world_size, root, fault, then_save=False):
     def save(token, updates, write=torch.save):
         state = {"model": {"w": torch.full((2,), float(updates))}, "optimizer_history": [{"num_updates": updates}],
                  "extra_state": {"save": {"token": token, "updates": updates}}}
-        checkpoint_utils._save_committed(lambda staged: write(state, staged), part, token, updates)
+        saving.save_committed(lambda staged: write(state, staged[part]), [part], path, token, updates)
 
     save("a" * 32, 5)
     with open(staged_name(part, "d" * 32), "wb") as f:  # left by a save killed before its commit point
@@ -47,7 +47,7 @@ def _commit_worker(rank, world_size, root, fault, then_save=False):
     if fault == "manifest" and rank == 0:
         def no_space(*args):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        checkpoint_utils.write_manifest = no_space
+        saving.write_manifest = no_space
     if fault == "rename" and rank == 1:
         def stopped_before_the_rename(src, dst):
             if src.startswith(part + ".staged-"):

@@ -24,9 +24,10 @@ import torch
 
 from fairseq_megatron import USER_DIR
 from fairseq_megatron.checkpoint import safe_loading
-from fairseq_megatron.checkpoint.commit import manifest_path, read_manifest, staged_name
+from fairseq_megatron.checkpoint.commit import manifest_path, read_manifest
 from fairseq_megatron.checkpoint.part_files import part_path, stage_path
 from fairseq_megatron.checkpoint.resharding import PartFiles, model_part, reshard
+from fairseq_megatron.checkpoint.names import staged_name
 from tests.e2e.common import eval_args, eval_loss, train_args
 from tests.helpers import ENV, fairseq
 
@@ -280,6 +281,11 @@ def test_one_fairseq_train_per_save_dir(trained, tmp_path):
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
+    # fairseq's data-loader workers inherited the open directory; the kernel
+    # drops the lock when the last of them has exited, a moment after the leader
+    deadline = time.monotonic() + 30
+    while _lock_held(save_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not _lock_held(save_dir)
     rc, out = fairseq("train", second, check=False)
     assert rc == 0, out[-3000:]

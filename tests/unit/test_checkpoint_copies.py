@@ -19,7 +19,7 @@ def test_an_interrupted_checkpoint_copy_leaves_the_old_file_whole(tmp_path, monk
     copy stops half-way with an OSError (a full disk), which is one line, the
     old file is still whole and no temporary file is left; an uninterrupted
     copy replaces it."""
-    from fairseq_megatron.fairseq_integration.checkpoint_utils import copy_whole
+    from fairseq_megatron.checkpoint.saving import copy_whole
 
     src, dst = tmp_path / "checkpoint_1_4-model_part-0.pt", tmp_path / "checkpoint_last-model_part-0.pt"
     src.write_bytes(b"new" * 1000)

@@ -18,12 +18,13 @@ import pytest
 import torch
 
 from fairseq_megatron.checkpoint import reading, safe_loading
-from fairseq_megatron.checkpoint.commit import manifest_path, staged_name, write_manifest
+from fairseq_megatron.checkpoint.commit import manifest_path, write_manifest
 from fairseq_megatron.checkpoint.export import export_to_fairseq
 from fairseq_megatron.checkpoint.layout import CheckpointError
 from fairseq_megatron.checkpoint.part_files import all_files, find_part_files, part_path, stage_path
 from fairseq_megatron.checkpoint.reading import ChangedWhileRead, open_save
 from fairseq_megatron.checkpoint.resharding import PartFiles, model_part, reshard, resharded_model
+from fairseq_megatron.checkpoint.names import staged_name
 from fairseq_megatron.cli import reshard_checkpoint
 from fairseq_megatron.fairseq_integration import checkpoint_utils
 from tests.support.checkpoint_resharding import save_checkpoint
@@ -83,7 +84,7 @@ def test_an_unfinished_save_is_read_through_its_staged_names_and_nothing_is_writ
     assert (rc, err) == (0, "")
     assert all(torch.equal(merged[k], full[k]) for k in full if not k.endswith("_float_tensor"))
     with open_save(path) as opened:
-        assert opened.read_through(part_path(path, 1)) == staged_name(part_path(path, 1), token)
+        assert opened.read_through(part_path(path, 1)).name == staged_name(part_path(path, 1), token)
 
 
 # ---------------------------------------------------------------- manifests

@@ -27,21 +27,25 @@ def test_fully_sharded_refuses_what_fsdp2_does_not_do_in_one_line():
         distributed = SimpleNamespace(ddp_backend="fully_sharded", cpu_offload=False, use_sharded_state=False,
                                       zero_sharding="none")
         common, ema, model = SimpleNamespace(amp=False), SimpleNamespace(store_ema=False), SimpleNamespace()
+        checkpoint = SimpleNamespace(write_checkpoints_asynchronously=False, save_dir="ckpt", no_save=False)
         for name, value in given.items():
-            for config in (distributed, common, ema, model):
+            for config in (distributed, common, ema, checkpoint, model):
                 if hasattr(config, name) or (config is model and name == "cuda_graphs"):
                     setattr(config, name, value)
                     break
         try:
-            check_fully_sharded(distributed, common, ema, model)
+            check_fully_sharded(distributed, common, ema, model, checkpoint)
         except UsageError as e:
             return str(e)
         return None
 
-    assert refusal() is None
+    assert refusal() is None and refusal(save_dir="s3://bucket/ckpt", no_save=True) is None
     for given, flag in ((dict(cpu_offload=True), "--cpu-offload"), (dict(use_sharded_state=True), "--use-sharded-state"),
                         (dict(zero_sharding="os"), "--zero-sharding os"), (dict(cuda_graphs=True), "--cuda-graphs"),
-                        (dict(store_ema=True), "--store-ema"), (dict(amp=True), "--amp")):
+                        (dict(store_ema=True), "--store-ema"), (dict(amp=True), "--amp"),
+                        # every rank takes part in a save (each writes its optimizer shard, one commit of all)
+                        (dict(write_checkpoints_asynchronously=True), "--write-checkpoints-asynchronously"),
+                        (dict(save_dir="s3://bucket/ckpt"), "--save-dir s3://bucket/ckpt (a remote file system)")):
         assert refusal(**given) == (f"{flag} does not work with --ddp-backend fully_sharded (torch's FSDP2 shards "
                                     f"parameters, gradients and optimizer state over the data-parallel ranks); drop "
                                     f"it, or use --ddp-backend pytorch_ddp"), flag

@@ -68,7 +68,7 @@ def test_prefetch_threads_stop_before_exit():
     it, also when its queue is full."""
     from fairseq.data import iterators
 
-    from fairseq_megatron.fairseq_integration import trainer as trainer_steps
+    from fairseq_megatron.fairseq_integration import prefetch
 
     produced = []
 
@@ -83,6 +83,6 @@ def test_prefetch_threads_stop_before_exit():
     assert torch.equal(first, torch.zeros(4))
     thread = buffered._consumer
     assert thread.is_alive()  # blocked on its full queue, as after a run that stopped early
-    trainer_steps.stop_prefetch_threads(timeout=10)
+    prefetch.stop_prefetch_threads(timeout=10)
     assert not thread.is_alive()
     assert len(produced) < 1000, "the thread ran to the end instead of stopping"

@@ -1,0 +1,100 @@
+"""fairseq-train with ``--ddp-backend fully_sharded`` saving and resuming, as a
+user runs it (torchrun, CPU, gloo): at T 2, from the session's trained
+checkpoint, dropout off.
+
+One ``pytorch_ddp`` run at T 2 x D 2 that never stops is the reference
+(8 updates, saved every 2). Each sharded run resumes a checkpoint of
+another run and is compared with the reference at the update it ends:
+
+- ``pytorch_ddp`` -> ``fully_sharded`` (D 2), updates 3-4;
+- ``fully_sharded`` D 2 -> D 1 (``--update-freq 2``: the same two batches
+  per update), updates 5-6;
+- ``fully_sharded`` D 1 -> D 2, updates 7-8;
+- ``fully_sharded`` -> ``pytorch_ddp``, updates 5-6.
+
+Weights within 1e-5: fp32 sums in another order (reduce-scatter instead of
+all-reduce, one rank summing two micro-batches), over at most 8 Adam updates
+of learning rate 1e-3; Adam's moments or step count started afresh move
+every weight by about the learning rate at the next update (1e-3), and so
+would the wrong batches. The weights and optimizer state of every rank are
+in the files: the part files of each save hold the whole model part, and
+each rank's optimizer shard its 1 / D of the Adam moments.
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.e2e.common import eval_args, eval_loss, train_without_dropout
+from tests.helpers import fairseq
+
+# what each run resumes (None: the session's trained weights), data-parallel size, backend, last update
+RUNS = {
+    "ddp": (None, 2, "pytorch_ddp", 8),
+    "ddp_to_fsdp": ("ddp/checkpoint_1_2.pt", 2, "fully_sharded", 4),
+    "fsdp_d2_to_d1": ("ddp_to_fsdp/checkpoint_last.pt", 1, "fully_sharded", 6),
+    "fsdp_d1_to_d2": ("fsdp_d2_to_d1/checkpoint_last.pt", 2, "fully_sharded", 8),
+    "fsdp_to_ddp": ("ddp_to_fsdp/checkpoint_last.pt", 2, "pytorch_ddp", 6),
+}
+TOLERANCE = 1e-5
+
+
+def _model(save_dir, name, part):
+    return torch.load(os.path.join(save_dir, name.replace(".pt", f"-model_part-{part}.pt")), map_location="cpu",
+                      weights_only=False)["model"]
+
+
+def _train(trained, tmp_path, name, *extra):
+    resumed, groups, backend, last = RUNS[name]
+    start = (["--finetune-from-model", os.path.join(trained["ckpt"], "checkpoint_last.pt")] if resumed is None
+             else ["--restore-file", str(tmp_path / resumed)])
+    _, log = train_without_dropout(trained["data"], tmp_path / name, last, 2, "--ddp-backend", backend,
+                                   "--save-interval-updates", "2", *start,
+                                   *(["--update-freq", "2"] if groups == 1 else []), *extra, groups=groups)
+    return log
+
+
+def test_fully_sharded_resumes_at_any_data_parallel_size_and_from_and_to_pytorch_ddp(trained, tmp_path):
+    for name in RUNS:
+        log = _train(trained, tmp_path, name)
+        if RUNS[name][2] == "fully_sharded":  # every rank's memory report, each holding its share
+            groups = RUNS[name][1]
+            reports = [line for line in log.splitlines() if "memory of rank" in line]
+            assert len(reports) == 2 * groups, log[-3000:]
+    for name, (_, groups, backend, last) in RUNS.items():
+        if name == "ddp":
+            continue
+        for part in range(2):
+            mine, reference = (_model(tmp_path / name, "checkpoint_last.pt", part),
+                               _model(tmp_path / "ddp", f"checkpoint_1_{last}.pt", part))
+            assert mine.keys() == reference.keys()
+            for key in reference:
+                assert torch.allclose(mine[key], reference[key], rtol=0, atol=TOLERANCE), (name, part, key)
+    # a sharded save: the part files, one optimizer shard per rank, one manifest listing them
+    files = sorted(f for f in os.listdir(tmp_path / "ddp_to_fsdp") if f.startswith("checkpoint_last"))
+    assert files == ["checkpoint_last-model_part-0-optimizer-0.pt", "checkpoint_last-model_part-0-optimizer-1.pt",
+                     "checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1-optimizer-0.pt",
+                     "checkpoint_last-model_part-1-optimizer-1.pt", "checkpoint_last-model_part-1.pt",
+                     "checkpoint_last.pt.manifest.json"], files
+
+    # fairseq-eval-lm at model-parallel size 1 of the sharded T 2 x D 2 checkpoint at update 4, and of the
+    # reference's: the same weights within 1e-5, the same loss to the 4 decimals printed
+    losses = {}
+    for name, checkpoint in (("ddp_to_fsdp", "checkpoint_last.pt"), ("ddp", "checkpoint_1_4.pt")):
+        _, out = fairseq("eval_lm", eval_args(trained["data"], str(tmp_path / name / checkpoint), 1))
+        losses[name] = eval_loss(out)
+    assert losses["ddp_to_fsdp"] == pytest.approx(losses["ddp"], abs=1e-4), losses
+
+    # that checkpoint with one optimizer shard gone: one line, before any update
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp_path / "ddp_to_fsdp", broken)
+    os.remove(broken / "checkpoint_last-model_part-1-optimizer-0.pt")
+    rc, log = train_without_dropout(trained["data"], tmp_path / "after_broken", 6, 2, "--ddp-backend", "fully_sharded",
+                                    "--restore-file", str(broken / "checkpoint_last.pt"), check=False)
+    assert rc == 1 and log.rstrip().splitlines()[-1].endswith(
+        f"optimizer shard {broken}/checkpoint_last-model_part-1-optimizer-0.pt of "
+        f"{broken}/checkpoint_last-model_part-1.pt is missing (the part was saved with 2): restore it, or resume "
+        f"with --reset-optimizer to start the optimizer afresh"), log[-3000:]
+    assert "num_updates" not in log

@@ -22,6 +22,14 @@ Formulas (all per GPU, in bytes unless said otherwise):
   ``--memory-efficient-fp16``. OSS
   hands out whole parameters (each to the rank holding the fewest elements
   so far), so a rank may hold up to one parameter's moments more than 1/D.
+* ``--ddp-backend fully_sharded`` (torch's FSDP2; ZeRO stage 3, or 2 with
+  ``--no-reshard-after-forward``; Rajbhandari et al. 2020, section 5) keeps
+  fp32 weights, fp32 gradients and the optimizer state, each split over the
+  D data-parallel ranks: (4 + 4 + 8) / D for Adam, in every precision (the
+  sharded fp32 weights are the master weights). On top, what is gathered
+  whole in the compute dtype (2 bytes with ``--fp16``, else 4): at stage 3
+  two layers and the embedding, at stage 2 the whole stage from its forward
+  to its backward, and one layer's gradients before their reduce-scatter.
 * fairseq's Adafactor (``--optimizer adafactor``, no ``--beta1``: its
   default; Shazeer and Stern 2018, section 3) keeps, in fp32, a row and a
   column mean of the squared gradient for each weight matrix (``r + c``
@@ -60,7 +68,7 @@ Formulas (all per GPU, in bytes unless said otherwise):
 import dataclasses
 import functools
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 BYTES_PER_PARAM = {
     # precision: (weights, gradients, optimizer state)
@@ -180,22 +188,66 @@ class Layout:
     fits: bool
     pipeline_bubble: float  # (PP - 1) / micro batches per step (Narayanan et al. 2021, section 2.2)
     host_activations_gb: float = 0.0  # the layer inputs --offload-activations keeps in host memory
+    gathered_gb: float = 0.0  # fully sharded: weights and gradients gathered whole while computing
+    sharding: str = "none"  # of the data-parallel copies: none, os (--zero-sharding os), zero2 or zero3
 
     def as_dict(self) -> Dict:
         return dataclasses.asdict(self)
+
+
+FULLY_SHARDED = ("zero2", "zero3")
+
+
+@dataclasses.dataclass
+class Training:
+    """How a model is trained, as far as memory goes: ``precision`` (a key of
+    :data:`BYTES_PER_PARAM`), ``optimizer`` (``"adam"`` or ``"adafactor"``),
+    activation ``checkpointing`` (``offloading`` implies it), sequence
+    parallelism, flash attention, ``zero_sharding`` (fairseq's
+    ``--zero-sharding os``) and ``fully_sharded`` (None, ``"zero3"`` or
+    ``"zero2"``: ``--ddp-backend fully_sharded`` without or with
+    ``--no-reshard-after-forward``)."""
+
+    micro_batch: int
+    precision: str = "fp16"
+    checkpointing: bool = False
+    sequence_parallel: bool = False
+    flash_attention: bool = True
+    offloading: bool = False
+    zero_sharding: bool = False
+    optimizer: str = "adam"
+    fully_sharded: Optional[str] = None
+
+    def check(self) -> None:
+        """Raises PlanError for a value the planner does not know."""
+        if self.precision not in BYTES_PER_PARAM:
+            raise PlanError(f"precision must be one of {sorted(BYTES_PER_PARAM)}")
+        if self.optimizer not in ("adam", "adafactor"):
+            raise PlanError(f"optimizer must be adam or adafactor, not {self.optimizer!r}")
+        if self.fully_sharded not in (None, *FULLY_SHARDED):
+            raise PlanError(f"fully_sharded must be one of {FULLY_SHARDED}, not {self.fully_sharded!r}")
+        if self.fully_sharded and self.zero_sharding:
+            raise PlanError("--zero-sharding and --fully-sharded exclude each other (fully sharded data "
+                            "parallelism shards the optimizer state itself)")
+        if self.fully_sharded and self.precision == "bf16":
+            raise PlanError("fully sharded training takes fp16, memory-efficient-fp16, fp32 or bf16-autocast "
+                            "(fairseq's --bf16 means TPU)")
 
 
 def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, micro_batch: int,
          global_batch: int, precision: str = "fp16", checkpointing: bool = False,
          sequence_parallel: bool = False, flash_attention: bool = True,
          tp: Optional[int] = None, pp: Optional[int] = None, offloading: bool = False,
-         zero_sharding: bool = False, optimizer: str = "adam") -> List[Layout]:
+         zero_sharding: bool = False, optimizer: str = "adam",
+         fully_sharded: Optional[str] = None) -> List[Layout]:
     """Every valid (TP, PP, DP) layout with its memory per GPU.
 
     ``offloading`` (``--offload-activations``) implies ``checkpointing``.
     ``zero_sharding`` (fairseq's ``--zero-sharding os``) divides the
     optimizer's own state (Adam's moments, Adafactor's statistics) by the
-    data-parallel size. ``optimizer``: ``"adam"`` or ``"adafactor"``.
+    data-parallel size. ``fully_sharded`` (``"zero3"``, ``"zero2"``) divides
+    weights, gradients and optimizer state by it (:func:`layout_memory`).
+    ``optimizer``: ``"adam"`` or ``"adafactor"``.
 
     Valid: TP divides the heads and the FFN size and stays within a node
     (TP divides ``gpus_per_node``), PP divides the layers, DP = gpus / (TP*PP)
@@ -208,15 +260,30 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
     ``tp`` / ``pp`` restrict the search to one tensor / pipeline size.
 
     Raises:
-        PlanError: the global batch is not a multiple of the micro batch, a
-            requested ``tp`` does not divide the heads or FFN size (or exceeds
-            a node), a requested ``pp`` does not divide the layers, or no
-            layout is valid (the message says why).
+        PlanError: an unknown precision, optimizer or sharding; the global
+            batch is not a multiple of the micro batch; a requested ``tp``
+            does not divide the heads or FFN size (or exceeds a node), a
+            requested ``pp`` does not divide the layers, or no layout is
+            valid (the message says why).
     """
-    if precision not in BYTES_PER_PARAM:
-        raise PlanError(f"precision must be one of {sorted(BYTES_PER_PARAM)}")
-    if optimizer not in ("adam", "adafactor"):
-        raise PlanError(f"optimizer must be adam or adafactor, not {optimizer!r}")
+    training = Training(micro_batch, precision, checkpointing or offloading, sequence_parallel, flash_attention,
+                        offloading, zero_sharding, optimizer, fully_sharded)
+    training.check()
+    layouts = [layout_memory(m, t, p, dp, accumulation, training, gpu_memory_gb)
+               for t, p, dp, accumulation in candidate_layouts(m, gpus, gpus_per_node, micro_batch,
+                                                               global_batch, tp, pp)]
+    if not layouts:
+        raise PlanError(_why_no_layout(m, gpus, gpus_per_node, micro_batch, global_batch))
+    return layouts
+
+
+def candidate_layouts(m: ModelShape, gpus: int, gpus_per_node: int, micro_batch: int, global_batch: int,
+                      tp: Optional[int] = None, pp: Optional[int] = None) -> List[Tuple[int, int, int, int]]:
+    """The valid ``(TP, PP, DP, gradient accumulation)`` of :func:`plan`.
+
+    Raises:
+        PlanError: as :func:`plan`, except for an empty list.
+    """
     if global_batch % micro_batch != 0:
         raise PlanError(f"global batch {global_batch} is not a multiple of the micro batch {micro_batch}")
     if gpus % gpus_per_node != 0 and gpus > gpus_per_node:
@@ -231,70 +298,112 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
                         f"{gpus_per_node} GPUs of a node")
     if pp is not None and m.layers % pp:
         raise PlanError(f"pipeline-parallel size {pp} does not divide the {m.layers} layers")
-    w_b, g_b, o_b = BYTES_PER_PARAM[precision]
-    gb = 1e9
-    layer_params = m.parameters() - m.vocab * m.hidden - 2 * m.hidden - (m.seq_len * m.hidden if m.learned_positions else 0)
-    layer_params //= m.layers
-    layouts = []
+    found = []
     for t in [tp] if tp else _divisors(min(gpus_per_node, gpus)):
-        if not splits(t):
-            continue
         for p in [pp] if pp else _divisors(m.layers):
-            if gpus % (t * p):
+            if not splits(t) or gpus % (t * p) or global_batch % (micro_batch * gpus // (t * p)):
                 continue
             dp = gpus // (t * p)
-            if global_batch % (micro_batch * dp):
-                continue
             accumulation = global_batch // (micro_batch * dp)
-            if p > 1 and accumulation < p:
-                continue  # fewer micro batches than stages: 1F1B cannot run
-            # first pipeline stage: embedding + L/PP layers (the heaviest stage)
-            embed = m.vocab * m.hidden + (m.seq_len * m.hidden if m.learned_positions else 0)
-            params = (embed + layer_params * (m.layers // p)) // t + (2 * m.hidden if p == 1 else 0)
-            in_flight = min(p, accumulation)  # 1F1B: micro batches alive on the first stage
-            per_layer = functools.partial(activation_bytes_per_layer, m, micro_batch, t, sequence_parallel,
-                                          flash_attention=flash_attention, precision=precision)
-            kept = per_layer(checkpointing=checkpointing or offloading) * (m.layers // p) * in_flight
-            act, host = (0, kept) if offloading else (kept, 0)
-            if checkpointing or offloading:
-                act += per_layer(checkpointing=False)  # the layer being recomputed
-            act += 4 * m.seq_len * micro_batch * m.vocab / t  # fp32 logits for the loss
-            if optimizer == "adam":
-                state = ADAM_MOMENT_BYTES * params
-            else:
-                state = 4 * adafactor_state_elements(m, t, m.layers // p, embedding=True, final_norm=p == 1)
-            master = (o_b - ADAM_MOMENT_BYTES) * params  # fp32 master weights (--fp16): 4 bytes each
-            optim = (master + (state / dp if zero_sharding else state)) / gb
-            weights, grads = params * w_b / gb, params * g_b / gb
-            total = weights + grads + optim + act / gb
-            layouts.append(Layout(t, p, dp, accumulation, params, weights, grads, optim, act / gb, total,
-                                  total <= gpu_memory_gb, (p - 1) / accumulation, host / gb))
-    if not layouts:
-        raise PlanError(_why_no_layout(m, gpus, gpus_per_node, micro_batch, global_batch))
-    return layouts
+            if p == 1 or accumulation >= p:  # 1F1B needs a micro batch per stage
+                found.append((t, p, dp, accumulation))
+    return found
 
 
-_LOWER_MEMORY = ("lower it with activation checkpointing, sequence parallelism, ZeRO sharding (several "
-                 "data-parallel ranks), Adafactor or a smaller micro batch")
+def layout_memory(m: ModelShape, t: int, p: int, dp: int, accumulation: int, training: Training,
+                  gpu_memory_gb: float) -> Layout:
+    """The memory per GPU of one layout: the first pipeline stage's (the
+    embedding and ``L / PP`` layers: the heaviest stage).
+
+    Under fully sharded data parallelism (FSDP2, one unit per decoder layer
+    and one for the rest) every rank keeps fp32 weights, fp32 gradients and
+    the optimizer state, each ``1 / DP`` (the sharded fp32 weights are the
+    master weights: no copy), plus what is gathered in the compute dtype
+    (16-bit for ``--fp16``, else fp32) while it computes: with ``"zero3"``
+    two layers (the one computing and the one prefetched), the root unit
+    (the embedding, kept from the forward to the backward), and one layer's
+    unsharded gradients before they are reduce-scattered; with ``"zero2"``
+    every layer's weights from its forward to its backward, and the same
+    gradients. Zhao et al. 2023, "PyTorch FSDP", section 3.
+    """
+    w_b, g_b, o_b = BYTES_PER_PARAM[training.precision]
+    gb = 1e9
+    layer_params = (m.parameters() - m.vocab * m.hidden - 2 * m.hidden
+                    - (m.seq_len * m.hidden if m.learned_positions else 0)) // m.layers
+    embed = m.vocab * m.hidden + (m.seq_len * m.hidden if m.learned_positions else 0)
+    params = (embed + layer_params * (m.layers // p)) // t + (2 * m.hidden if p == 1 else 0)
+    in_flight = min(p, accumulation)  # 1F1B: micro batches alive on the first stage
+    per_layer = functools.partial(activation_bytes_per_layer, m, training.micro_batch, t, training.sequence_parallel,
+                                  flash_attention=training.flash_attention, precision=training.precision)
+    kept = per_layer(checkpointing=training.checkpointing) * (m.layers // p) * in_flight
+    act, host = (0, kept) if training.offloading else (kept, 0)
+    if training.checkpointing:
+        act += per_layer(checkpointing=False)  # the layer being recomputed
+    act += 4 * m.seq_len * training.micro_batch * m.vocab / t  # fp32 logits for the loss
+    if training.optimizer == "adam":
+        state = ADAM_MOMENT_BYTES * params
+    else:
+        state = 4 * adafactor_state_elements(m, t, m.layers // p, embedding=True, final_norm=p == 1)
+    gathered = 0.0
+    if training.fully_sharded:
+        compute = 2 if training.precision in ("fp16", "memory-efficient-fp16") else 4
+        weights, grads, optim = 4 * params / dp, 4 * params / dp, state / dp
+        unit = compute * layer_params // t
+        held = params if training.fully_sharded == "zero2" else 2 * layer_params // t + embed // t
+        gathered = compute * held + unit
+    else:
+        master = (o_b - ADAM_MOMENT_BYTES) * params  # fp32 master weights (--fp16): 4 bytes each
+        weights, grads, optim = params * w_b, params * g_b, master + (state / dp if training.zero_sharding else state)
+    total = (weights + grads + optim + gathered + act) / gb
+    return Layout(t, p, dp, accumulation, params, weights / gb, grads / gb, optim / gb, act / gb, total,
+                  total <= gpu_memory_gb, (p - 1) / accumulation, host / gb, gathered / gb,
+                  training.fully_sharded or ("os" if training.zero_sharding else "none"))
 
 
-def recommend(layouts: List[Layout]) -> (Optional[Layout], str):
-    """The layout to start with, and why."""
+_LOWER_MEMORY = ("lower it with activation checkpointing, sequence parallelism, fully sharded data parallelism "
+                 "or ZeRO sharding (several data-parallel ranks), Adafactor or a smaller micro batch")
+
+
+def recommend(layouts: List[Layout], fully_sharded: Optional[List[Layout]] = None) -> (Optional[Layout], str):
+    """The layout to start with, and why: the fitting one of the smallest
+    model-parallel degree ``TP x PP``. ``fully_sharded``: the same request's
+    layouts under fully sharded data parallelism, recommended instead where
+    one fits with fewer pipeline stages (or where none of ``layouts`` fits)."""
+    best = _smallest_model_parallel(layouts)
+    sharded = _smallest_model_parallel(fully_sharded or [])
+    if sharded is not None and (best is None or (sharded.pp, sharded.tp * sharded.pp) < (best.pp, best.tp * best.pp)):
+        why = (f"fewer model-parallel ranks than TP={best.tp}, PP={best.pp} without it ({best.total_gb:.1f} GB per GPU)"
+               if best is not None else "where no layout fits without it")
+        return sharded, _with_command(sharded, f"fully sharded data parallelism fits TP={sharded.tp}, PP={sharded.pp}, "
+                                               f"DP={sharded.dp} ({sharded.total_gb:.1f} GB per GPU), {why}")
+    if best is None:
+        smallest = min(layouts, key=lambda lay: lay.total_gb)
+        return None, (f"no layout fits; the smallest needs {smallest.total_gb:.1f} GB per GPU "
+                      f"(TP={smallest.tp}, PP={smallest.pp}): {_LOWER_MEMORY}, or use more GPUs")
+    return best, _with_command(best, f"TP={best.tp}, PP={best.pp}, DP={best.dp} is the smallest model-parallel "
+                                     f"degree that fits ({best.total_gb:.1f} GB per GPU): the most data parallelism, "
+                                     f"tensor-parallel all-reduces kept inside a node")
+
+
+def _smallest_model_parallel(layouts: List[Layout]) -> Optional[Layout]:
     fitting = [lay for lay in layouts if lay.fits]
-    if not fitting:
-        best = min(layouts, key=lambda lay: lay.total_gb)
-        return None, (f"no layout fits; the smallest needs {best.total_gb:.1f} GB per GPU "
-                      f"(TP={best.tp}, PP={best.pp}): {_LOWER_MEMORY}, or use more GPUs")
-    best = min(fitting, key=lambda lay: (lay.tp * lay.pp, lay.pp, lay.tp))
-    reason = (f"TP={best.tp}, PP={best.pp}, DP={best.dp} is the smallest model-parallel degree that fits "
-              f"({best.total_gb:.1f} GB per GPU): the most data parallelism, tensor-parallel all-reduces "
-              f"kept inside a node")
+    return min(fitting, key=lambda lay: (lay.tp * lay.pp, lay.pp, lay.tp)) if fitting else None
+
+
+def _with_command(best: Layout, reason: str) -> str:
+    """``reason``, then the pipeline bubble and fairseq-train's flags for ``best``."""
+    flags = []
     if best.pp > 1:
-        reason += (f", pipeline bubble {best.pipeline_bubble:.0%} with {best.grad_accumulation} micro batches "
-                   f"(fairseq-train --model-parallel-size {best.tp} --pipeline-model-parallel-size {best.pp} "
-                   f"--update-freq {best.grad_accumulation} --sample-break-mode none"
-                   + (" --ddp-backend legacy_ddp" if best.dp > 1 else "") + ")")
-    return best, reason
+        reason += f", pipeline bubble {best.pipeline_bubble:.0%} with {best.grad_accumulation} micro batches"
+        flags += [f"--pipeline-model-parallel-size {best.pp}", f"--update-freq {best.grad_accumulation}",
+                  "--sample-break-mode none"]
+    if best.sharding in FULLY_SHARDED:
+        flags.append("--ddp-backend fully_sharded" + (" --no-reshard-after-forward" if best.sharding == "zero2" else ""))
+    elif best.pp > 1 and best.dp > 1:
+        flags.append("--ddp-backend legacy_ddp")
+    if flags:
+        reason += f" (fairseq-train --model-parallel-size {best.tp} {' '.join(flags)})"
+    return reason
 
 
 def _divisors(n: int) -> List[int]:

@@ -3,11 +3,15 @@
 
     fairseq-megatron-plan --arch transformer_lm_megatron_11b --gpus 16 --gpus-per-node 8 \\
         --gpu-memory 80 --micro-batch 2 --global-batch 512 --seq-len 1024 [--optimizer adafactor] \\
-        [--checkpoint-activations] [--offload-activations] [--sequence-parallel] [--zero-sharding] [--json] [--png layouts.png]
+        [--checkpoint-activations] [--offload-activations] [--sequence-parallel] [--zero-sharding]
+        [--fully-sharded [zero3|zero2]] [--json] [--png layouts.png]
 
 Lists every valid (TP, PP, DP) layout with gradient accumulation steps,
 parameters and memory per GPU (weights, gradients, optimizer state,
-activations), model FLOPs per step and a recommendation. The formulas are in
+activations), model FLOPs per step and a recommendation: without
+--fully-sharded it also plans each layout under fully sharded data
+parallelism, and recommends that where it fits with fewer pipeline stages.
+The formulas are in
 fairseq_megatron/planner.py. Exit status 1 when no layout fits the GPU memory
 (the table is still printed, and the PNG written; stderr says what the
 smallest layout needs), as for a request that allows no layout at all.
@@ -68,6 +72,10 @@ def build_parser():
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--zero-sharding", action="store_true",
                    help="fairseq's --zero-sharding os: Adam's moments split over the data-parallel ranks")
+    p.add_argument("--fully-sharded", nargs="?", const="zero3", choices=["zero3", "zero2"],
+                   help="fairseq-train's --ddp-backend fully_sharded (torch's FSDP2): weights, gradients and "
+                        "optimizer state split over the data-parallel ranks; zero2: with "
+                        "--no-reshard-after-forward (each layer's weights stay gathered until its backward)")
     p.add_argument("--no-flash-attention", dest="flash_attention", action="store_false",
                    help="count the stored attention matrix (5*a*s^2*b bytes per layer)")
     p.add_argument("--tp", type=positive(int), help="only this tensor-parallel size")
@@ -123,15 +131,20 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         shape = shape_from_args(args)
-        layouts = plan(shape, args.gpus, args.gpus_per_node, args.gpu_memory, args.micro_batch,
-                       args.global_batch, args.precision, args.checkpoint_activations,
-                       args.sequence_parallel, args.flash_attention, tp=args.tp, pp=args.pp,
+        request = dict(gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_memory_gb=args.gpu_memory,
+                       micro_batch=args.micro_batch, global_batch=args.global_batch, precision=args.precision,
+                       checkpointing=args.checkpoint_activations, sequence_parallel=args.sequence_parallel,
+                       flash_attention=args.flash_attention, tp=args.tp, pp=args.pp,
                        offloading=args.offload_activations, zero_sharding=args.zero_sharding,
                        optimizer=args.optimizer)
+        layouts = plan(shape, **request, fully_sharded=args.fully_sharded)
+        alternative = None
+        if not (args.fully_sharded or args.zero_sharding or args.precision == "bf16"):
+            alternative = plan(shape, **request, fully_sharded="zero3")
     except PlanError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    best, reason = recommend(layouts)
+    best, reason = recommend(layouts, alternative)
     tflops = model_tflops_per_step(shape, args.global_batch)
     if args.json:
         print(json.dumps({"parameters": shape.parameters(), "model_tflops_per_step": tflops,
@@ -141,14 +154,15 @@ def main(argv=None) -> int:
         print(f"model: {shape.layers} layers x {shape.hidden} hidden, {shape.heads} heads, FFN {shape.ffn}, "
               f"vocab {shape.vocab}, seq {shape.seq_len}: {humanize(shape.parameters())} parameters, "
               f"{tflops:,.0f} model TFLOPs per step of {args.global_batch} x {shape.seq_len} tokens")
-        host = args.offload_activations
+        host, gathered = args.offload_activations, bool(args.fully_sharded)
         print(f"{'TP':>3} {'PP':>3} {'DP':>4} {'accum':>5} {'params/GPU':>10} {'weights':>8} {'grads':>7} "
-              f"{'optim':>7} {'activ':>7} {'total GB':>9}  fits {args.gpu_memory:g} GB"
-              + ("  host GB" if host else ""))
+              f"{'optim':>7} {'activ':>7}" + (f" {'gathered':>8}" if gathered else "")
+              + f" {'total GB':>9}  fits {args.gpu_memory:g} GB" + ("  host GB" if host else ""))
         for l in layouts:
             print(f"{l.tp:>3} {l.pp:>3} {l.dp:>4} {l.grad_accumulation:>5} {humanize(l.params_per_gpu):>10} "
-                  f"{l.weights_gb:8.1f} {l.gradients_gb:7.1f} {l.optimizer_gb:7.1f} {l.activations_gb:7.1f} "
-                  f"{l.total_gb:9.1f}  {'yes' if l.fits else 'no':>{len(f'fits {args.gpu_memory:g} GB')}}"
+                  f"{l.weights_gb:8.1f} {l.gradients_gb:7.1f} {l.optimizer_gb:7.1f} {l.activations_gb:7.1f}"
+                  + (f" {l.gathered_gb:8.1f}" if gathered else "")
+                  + f" {l.total_gb:9.1f}  {'yes' if l.fits else 'no':>{len(f'fits {args.gpu_memory:g} GB')}}"
                   + (f"  {l.host_activations_gb:7.1f}" if host else ""))
         print(f"recommended: {reason if best else 'none'}")
     if args.png:

@@ -24,7 +24,11 @@ def test_the_documented_plan_for_megatron_11b_on_two_nodes():
     # every (TP, PP, DP) with TP * PP * DP = 16 and TP within a node of 8
     layouts = {tuple(int(x) for x in line.split()[:3]) for line in lines[2:] if line.split()[0].isdigit()}
     assert layouts and all(tp * pp * dp == 16 and tp <= 8 for tp, pp, dp in layouts)
-    assert lines[-1].startswith("recommended: TP=")
+    # the recommendation documented in docs/planning.md: no pipeline stage, one model-parallel rank, sharded
+    assert lines[-1] == (
+        "recommended: fully sharded data parallelism fits TP=1, PP=1, DP=16 (31.7 GB per GPU), fewer "
+        "model-parallel ranks than TP=2, PP=1 without it (78.2 GB per GPU) (fairseq-train --model-parallel-size 1 "
+        "--ddp-backend fully_sharded)"), lines[-1]
 
 
 def test_json_rows_and_one_error_line():

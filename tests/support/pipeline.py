@@ -175,20 +175,29 @@ def compare_runs(results, reference, loss_tol=LOSS_TOL, grad_tol=GRAD_TOL, weigh
     every rank) logged the same loss and gradient norm per update, ended with
     the same gradients and (unless ``weight_tol`` is None) the same weights,
     whole models compared (:func:`whole_model`). The attention's key bias,
-    whose gradient is zero up to rounding, is compared at lr per update."""
+    whose gradient is zero up to rounding, is compared at lr per update.
+    Returns the largest differences found (relative for losses and norms,
+    absolute for gradients and weights, the key bias left out), for a report."""
     ref = reference[0]
+    found = {"loss": 0.0, "norm": 0.0, "grad": 0.0, "weight": 0.0}
     for r in results:
         assert len(r["losses"]) == len(r["norms"]) == len(ref["losses"])
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **loss_tol)
-        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref["norms"]), **loss_tol)
+        for what, key in (("loss", "losses"), ("norm", "norms")):
+            mine, theirs = torch.tensor(r[key]), torch.tensor(ref[key])
+            torch.testing.assert_close(mine, theirs, **loss_tol)
+            found[what] = max(found[what], ((mine - theirs).abs() / theirs.abs()).max().item())
     grads, ref_grads = whole_model(results, "grads"), whole_model(reference, "grads")
     assert sorted(grads) == sorted(ref_grads)
     for name in ref_grads:
         torch.testing.assert_close(grads[name].float(), ref_grads[name].float(), **grad_tol, msg=name)
+        found["grad"] = max(found["grad"], (grads[name].float() - ref_grads[name].float()).abs().max().item())
     if weight_tol is None:
-        return
+        return found
     params, ref_params = whole_model(results, "params"), whole_model(reference, "params")
     assert sorted(params) == sorted(ref_params)
     for name in ref_params:
         tol = dict(KEY_BIAS_TOL, atol=len(ref["losses"]) * LR) if name.endswith("k_proj.bias") else weight_tol
         torch.testing.assert_close(params[name], ref_params[name], **tol, msg=name)
+        if not name.endswith("k_proj.bias"):
+            found["weight"] = max(found["weight"], (params[name] - ref_params[name]).abs().max().item())
+    return found

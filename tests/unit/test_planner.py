@@ -265,3 +265,37 @@ def test_huge_sizes_are_planned_in_bounded_time(capsys, argv):
         signal.signal(signal.SIGPROF, previous)
     out, err = capsys.readouterr()
     assert (rc, err) == (0, "") and "recommended: " in out or rc == 1 and err.startswith("error: no layout fits"), err
+
+
+def test_fully_sharded_layouts_split_weights_gradients_and_optimizer_state():
+    """ZeRO-3 / ZeRO-2 (Rajbhandari et al. 2020, section 5): fp32 weights,
+    fp32 gradients and Adam's two fp32 moments, each 1 / DP, in any
+    precision, plus what is gathered whole while computing (the whole stage
+    at ZeRO-2: more than ZeRO-3's two layers and embedding)."""
+    shape = megatron_arch_shape("transformer_lm_megatron_11b")
+    for precision in ("fp16", "fp32", "memory-efficient-fp16", "bf16-autocast"):
+        zero3 = plan(shape, 16, 8, 80, 2, 512, precision=precision, fully_sharded="zero3")
+        zero2 = {(l.tp, l.pp): l for l in plan(shape, 16, 8, 80, 2, 512, precision=precision, fully_sharded="zero2")}
+        for l in zero3:
+            share = l.params_per_gpu / l.dp / 1e9
+            assert (l.weights_gb, l.gradients_gb, l.optimizer_gb) == pytest.approx((4 * share, 4 * share, 8 * share))
+            assert l.sharding == "zero3" and zero2[(l.tp, l.pp)].sharding == "zero2"
+            assert 0 < l.gathered_gb < zero2[(l.tp, l.pp)].gathered_gb
+            assert l.total_gb == pytest.approx(l.weights_gb + l.gradients_gb + l.optimizer_gb + l.gathered_gb
+                                               + l.activations_gb)
+    with pytest.raises(PlanError, match="exclude each other"):
+        plan(shape, 16, 8, 80, 2, 512, zero_sharding=True, fully_sharded="zero3")
+
+
+def test_fully_sharded_recommended_where_it_fits_with_fewer_pipeline_stages():
+    shape = megatron_arch_shape("transformer_lm_megatron_11b")
+    tight = plan(shape, 16, 8, 24, 2, 512)  # without sharding only pipeline layouts fit (the test above)
+    alone, _ = recommend(tight)
+    best, reason = recommend(tight, plan(shape, 16, 8, 24, 2, 512, fully_sharded="zero3"))
+    assert best.sharding == "zero3" and best.pp < alone.pp, (alone, best)
+    assert reason.endswith("--ddp-backend fully_sharded)") and f"than TP={alone.tp}, PP={alone.pp}" in reason, reason
+    # where a layout without sharding already needs no pipeline stage and no more tensor parallelism, it stays
+    roomy = plan(shape, 64, 8, 80, 1, 512, precision="fp32", checkpointing=True, tp=8)
+    kept, _ = recommend(roomy, plan(shape, 64, 8, 80, 1, 512, precision="fp32", checkpointing=True, tp=8,
+                                    fully_sharded="zero3"))
+    assert kept.sharding == "none" and (kept.tp, kept.pp) == (8, 1)

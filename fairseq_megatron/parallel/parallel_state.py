@@ -201,10 +201,16 @@ def start_single_rank_world() -> None:
     """Start a torch.distributed world of this one process (NCCL with a GPU,
     else gloo; an in-memory store, no environment needed), for code that
     needs a process group even at one rank (torch's FSDP2)."""
+    import sys
+
     import torch
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    hook = sys.excepthook
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    # torch's hook prefixes each line of an uncaught error with "[rank0]: ", which tells the ranks of a launched
+    # world apart; a world of one process has no other rank, and its one-line errors stay one line
+    sys.excepthook = hook
 
 
 _patient_group: ProcessGroup = None

@@ -37,6 +37,7 @@ def _full_disk_worker(rank, world_size, save_dir, error):
     finally:
         torch.save = real_save
         logging.getLogger().removeHandler(logged)
+    torch.distributed.barrier()  # the other rank's save has ended: its temporary file is gone
     return {"said": said, "files": sorted(os.listdir(save_dir)), "unchanged": open(part, "rb").read() == before,
             "part": part, "logged": logged.errors}
 

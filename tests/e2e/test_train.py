@@ -321,17 +321,18 @@ def test_finished_training_run_again_trains_nothing(trained, tmp_path):
     assert {name: (save_dir / name).read_bytes() for name in os.listdir(save_dir)} == before
 
 
-def test_fully_sharded_data_parallel_refused_before_fairseq_train_writes(trained, tmp_path):
-    """``--ddp-backend fully_sharded`` at model-parallel size 1 on CPU: one
-    error line and no save dir (it was refused while fairseq built the model
-    inside FSDP's wrap, after creating --save-dir)."""
+def test_fairscale_options_with_fully_sharded_refused_before_fairseq_train_writes(trained, tmp_path):
+    """``--ddp-backend fully_sharded`` is torch's FSDP2 here; fairscale's
+    ``--cpu-offload`` has no counterpart: one error line and no save dir
+    (fairseq would have created --save-dir before building the model)."""
     save_dir = tmp_path / "never"
     args = train_args(trained["data"], str(save_dir), max_update=1)
     args[args.index("--model-parallel-size") + 1] = "1"
-    rc, out = fairseq("train", args + ["--ddp-backend", "fully_sharded"], check=False)
+    rc, out = fairseq("train", args + ["--ddp-backend", "fully_sharded", "--cpu-offload"], check=False)
     assert rc == 1 and out.rstrip().splitlines()[-1] == (
-        "error: --ddp-backend fully_sharded needs CUDA GPUs (fairscale's FSDP); on CPU use --ddp-backend "
-        "pytorch_ddp (the default), no_c10d or legacy_ddp"), out[-3000:]
+        "error: --cpu-offload does not work with --ddp-backend fully_sharded (torch's FSDP2 shards parameters, "
+        "gradients and optimizer state over the data-parallel ranks); drop it, or use --ddp-backend pytorch_ddp"
+    ), out[-3000:]
     assert not save_dir.exists()
 
 

@@ -27,6 +27,9 @@
 #                    interval for each, alike)
 #   --no-gpt, --no-base, --no-tree
 #                    leave that implementation out
+#   --fully-sharded  also time the working tree under --ddp-backend fully_sharded
+#                    (torch's FSDP2 at data-parallel size 1), and print the memory
+#                    report of it and of the tree's pytorch_ddp run
 #   --cuda-tests     then run tests/gpu/test_cuda.py (needs .gpu/extra's pytest)
 #   --label TEXT     appended to every row's label
 set -euo pipefail
@@ -54,6 +57,7 @@ gpt=1
 base=1
 tree=1
 cuda_tests=0
+fully_sharded=0
 label=""
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -65,6 +69,7 @@ while [ $# -gt 0 ]; do
         --no-base) base=0; shift ;;
         --no-tree) tree=0; shift ;;
         --cuda-tests) cuda_tests=1; shift ;;
+        --fully-sharded) fully_sharded=1; shift ;;
         --label) label="$2"; shift 2 ;;
         *) echo "error: unknown option $1 (see the head of $0)" >&2; exit 2 ;;
     esac
@@ -148,7 +153,8 @@ run() {  # run IMPL ROOT SHAPE [benchmark.py flags...]: one implementation, from
     local flags=(--shape "$shape" --updates "$updates" --log-interval $((updates / 4 > 10 ? 10 : updates / 4))
                  --work-dir "$work" --csv "$csv" --png "$png")
     if [ "$gpu" = 1 ]; then
-        flags+=(--precision bf16-autocast --compile-layers --cuda-graphs)
+        flags+=(--precision bf16-autocast --compile-layers)
+        [ "$impl" = sharded ] || flags+=(--cuda-graphs)  # refused under fully_sharded: FSDP2's collectives
     else
         flags+=(--precision fp32)
     fi
@@ -172,7 +178,14 @@ for shape in "${shapes[@]}"; do
         run gpt "$root" "$shape" --only-anchor --with-anchor "$root/.gpu/sdpa_gpt_anchor.py"
     fi
     [ $base = 1 ] && run base "$root/.gpu/base" "$shape"
-    [ $tree = 1 ] && run tree "$root" "$shape"
+    if [ $tree = 1 ]; then
+        run tree "$root" "$shape"
+        grep -ho "memory of rank.*" "$work/megatron-$shape-mp1.log" | sed 's/^/tree pytorch_ddp: /' || true
+    fi
+    if [ $fully_sharded = 1 ]; then
+        run sharded "$root" "$shape" --extra="--ddp-backend fully_sharded"
+        grep -ho "memory of rank.*" "$work/megatron-$shape-mp1.log" | sed 's/^/tree fully_sharded: /' || true
+    fi
 done
 
 [ -f "$csv" ] && python3 - "$csv" <<'PY'
@@ -181,12 +194,14 @@ rows = list(csv.DictReader(open(sys.argv[1])))
 by = {}
 for r in rows:
     words = r["label"].split()
-    impl = "gpt" if r["impl"] == "anchor" else "base" if "base" in words else "tree" if "tree" in words else None
+    impl = ("gpt" if r["impl"] == "anchor" else "base" if "base" in words else "tree" if "tree" in words
+            else "sharded" if "sharded" in words else None)
     if impl:
         by.setdefault(r["shape"], {})[impl] = float(r["tokens_per_s"])
 for shape, t in by.items():
     parts = [f"{k} {v / 1e3:.1f}k" for k, v in t.items()]
-    ratios = [f"{a}/{b} {t[a] / t[b]:.3f}" for a, b in (("tree", "base"), ("tree", "gpt"), ("base", "gpt"))
+    ratios = [f"{a}/{b} {t[a] / t[b]:.3f}" for a, b in (("tree", "base"), ("tree", "gpt"), ("base", "gpt"),
+                                                         ("sharded", "tree"))
               if a in t and b in t]
     print(f"{shape}: tokens/s {', '.join(parts)}; {', '.join(ratios)}")
 PY

@@ -299,14 +299,8 @@ def check_context_parallel_options(args) -> None:
         raise UsageError(f"--tokens-per-sample {length} is not divisible by 2 x --context-parallel-size {context} "
                          f"= {2 * context}: each of the {context} ranks holds 2 of {2 * context} equal chunks "
                          f"of a sequence")
-    break_mode = safe_getattr(args, "sample_break_mode", None)
-    if break_mode is not None and break_mode != "none":
-        raise UsageError(f"--sample-break-mode {break_mode} with --context-parallel-size {context}: the ranks split "
-                         f"blocks of --tokens-per-sample tokens; use --sample-break-mode none")
-    criterion = safe_getattr(args, "criterion", None)
-    if criterion is not None and criterion != "vocab_parallel_cross_entropy":
-        raise UsageError(f"--criterion {criterion} with --context-parallel-size {context}: each rank computes the "
-                         f"loss of its own positions; use --criterion vocab_parallel_cross_entropy")
+    _check_blocks_and_loss(args, f"--context-parallel-size {context}", "the ranks split blocks of "
+                           "--tokens-per-sample tokens", "each rank computes the loss of its own positions")
 
 
 def check_pipeline_options(args) -> None:
@@ -346,14 +340,8 @@ def check_pipeline_options(args) -> None:
         raise UsageError(f"--update-freq {max(micro_batches)} is not divisible by --pipeline-model-parallel-size "
                          f"{stages}: the interleaved schedule (--virtual-pipeline-model-parallel-size {virtual}) "
                          f"runs the micro-batches in rounds of one per stage")
-    break_mode = safe_getattr(args, "sample_break_mode", None)
-    if break_mode is not None and break_mode != "none":
-        raise UsageError(f"--sample-break-mode {break_mode} with --pipeline-model-parallel-size {stages}: the "
-                         f"stages exchange micro-batches of one shape; use --sample-break-mode none")
-    criterion = safe_getattr(args, "criterion", None)
-    if criterion is not None and criterion != "vocab_parallel_cross_entropy":
-        raise UsageError(f"--criterion {criterion} with --pipeline-model-parallel-size {stages}: the last stage "
-                         f"computes the loss on its vocabulary shard; use --criterion vocab_parallel_cross_entropy")
+    _check_blocks_and_loss(args, f"--pipeline-model-parallel-size {stages}", "the stages exchange micro-batches "
+                           "of one shape", "the last stage computes the loss on its vocabulary shard")
     unsupported = [f"--{flag.replace('_', '-')}" for flag in ("amp", "cuda_graphs")
                    if safe_getattr(args, flag, False)]
     if safe_getattr(args, "decoder_layerdrop", 0):
@@ -365,6 +353,24 @@ def check_pipeline_options(args) -> None:
 # torch._scaled_mm, the float8 GEMM, needs both dimensions of its second
 # operand divisible by 16; torchao pads nothing unless told to.
 FLOAT8_GEMM_MULTIPLE = 16
+
+
+def _check_blocks_and_loss(args, given: str, why_blocks: str, why_loss: str) -> None:
+    """What splitting a batch between ranks (``given``: the flag and its
+    value) needs of the data and the loss: ``--sample-break-mode none``
+    (``why_blocks``) and the ``vocab_parallel_cross_entropy`` criterion
+    (``why_loss``).
+
+    Raises:
+        UsageError: another break mode or criterion.
+    """
+    break_mode = safe_getattr(args, "sample_break_mode", None)
+    if break_mode is not None and break_mode != "none":
+        raise UsageError(f"--sample-break-mode {break_mode} with {given}: {why_blocks}; use --sample-break-mode none")
+    criterion = safe_getattr(args, "criterion", None)
+    if criterion is not None and criterion != "vocab_parallel_cross_entropy":
+        raise UsageError(f"--criterion {criterion} with {given}: {why_loss}; use --criterion "
+                         f"vocab_parallel_cross_entropy")
 
 
 def check_fp8_options(args, model_parallel_size: int) -> None:

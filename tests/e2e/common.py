@@ -137,3 +137,12 @@ DETOK = [
     "",
     "Its score was 7.5 out of 10.",
 ]
+
+
+def train_and_valid_losses(log):
+    """``{update: (loss, gnorm)}`` of the train_inner lines, and ``{update: valid loss}``."""
+    train = {int(u): (float(loss), float(g)) for loss, u, g in
+             re.findall(r"train_inner \| .* loss=([0-9.]+),.* num_updates=(\d+),.* gnorm=([0-9.]+)", log)}
+    valid = {int(u): float(loss) for loss, u in
+             re.findall(r"valid on 'valid' subset \| loss ([0-9.]+) \|.*\| num_updates (\d+)", log)}
+    return train, valid

@@ -18,14 +18,13 @@ unit of the last digit (seen: equal).
 """
 
 import os
-import re
 import shutil
 
 import pytest
 import torch
 
 from fairseq_megatron import USER_DIR
-from tests.e2e.common import MODEL, eval_args, eval_loss
+from tests.e2e.common import MODEL, eval_args, eval_loss, train_and_valid_losses
 from tests.helpers import fairseq
 
 pytestmark = pytest.mark.slow
@@ -43,15 +42,6 @@ def _train(data, save_dir, context, max_update=UPDATES, *extra):
     return log
 
 
-def _curve(log):
-    """``{update: (loss, gnorm)}`` of the train_inner lines, and ``{update: valid loss}``."""
-    train = {int(u): (float(loss), float(g)) for loss, u, g in
-             re.findall(r"train_inner \| .* loss=([0-9.]+),.* num_updates=(\d+),.* gnorm=([0-9.]+)", log)}
-    valid = {int(u): float(loss) for loss, u in
-             re.findall(r"valid on 'valid' subset \| loss ([0-9.]+) \|.*\| num_updates (\d+)", log)}
-    return train, valid
-
-
 def _close(a, b):
     assert a.keys() == b.keys() and a, (a, b)
     for k in a:
@@ -63,7 +53,7 @@ def test_two_context_ranks_train_evaluate_and_resume_as_one(trained, tmp_path):
     two = _train(trained["data"], tmp_path / "c2", 2)
     assert "context parallelism: each sequence split over 2 ranks, this one holding chunks 0 and 3 of 4" in two
     one = _train(trained["data"], tmp_path / "c1", 1, UPDATES + 2, "--save-interval-updates", str(UPDATES))
-    (train2, valid2), (train1, valid1) = _curve(two), _curve(one)
+    (train2, valid2), (train1, valid1) = train_and_valid_losses(two), train_and_valid_losses(one)
     assert sorted(train1) == [1, 2, 3, 4, 5, 6] and sorted(valid1) == [2, 4, 6]
     _close(train2, {u: v for u, v in train1.items() if u <= UPDATES})
     _close(valid2, {u: v for u, v in valid1.items() if u <= UPDATES})
@@ -81,6 +71,6 @@ def test_two_context_ranks_train_evaluate_and_resume_as_one(trained, tmp_path):
     assert abs(losses[c2] - losses[c1]) <= 1e-4 + 1e-9, losses
 
     shutil.copytree(tmp_path / "c2", tmp_path / "c2-then-c1")
-    resumed, _ = _curve(_train(trained["data"], tmp_path / "c2-then-c1", 1, UPDATES + 2))
+    resumed, _ = train_and_valid_losses(_train(trained["data"], tmp_path / "c2-then-c1", 1, UPDATES + 2))
     assert sorted(resumed) == [5, 6]
     _close(resumed, {u: v for u, v in train1.items() if u > UPDATES})

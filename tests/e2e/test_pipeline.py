@@ -23,7 +23,7 @@ import torch
 
 from fairseq_megatron import USER_DIR
 from fairseq_megatron.checkpoint.resharding import reshard
-from tests.e2e.common import MODEL, eval_args, eval_loss
+from tests.e2e.common import MODEL, eval_args, eval_loss, train_and_valid_losses
 from tests.helpers import fairseq
 
 pytestmark = pytest.mark.slow
@@ -38,15 +38,6 @@ def _train(data, save_dir, stages, max_update, *extra):
     _, log = fairseq("train", args, nproc=stages if stages > 1 else None)
     assert f"training on {stages} devices" in log, log[-3000:]
     return log
-
-
-def _curve(log):
-    """``{update: (loss, gnorm)}`` of the train_inner lines, and ``{update: valid loss}``."""
-    train = {int(u): (float(loss), float(g)) for loss, u, g in
-             re.findall(r"train_inner \| .* loss=([0-9.]+),.* num_updates=(\d+),.* gnorm=([0-9.]+)", log)}
-    valid = {int(u): float(loss) for loss, u in
-             re.findall(r"valid on 'valid' subset \| loss ([0-9.]+) \|.*\| num_updates (\d+)", log)}
-    return train, valid
 
 
 def _close(a, b):
@@ -71,10 +62,10 @@ def _updates(curve, first, last):
 
 def test_two_stages_train_as_one(runs):
     root, logs = runs
-    train1, valid1 = _curve(logs[1])
+    train1, valid1 = train_and_valid_losses(logs[1])
     assert sorted(train1) == [1, 2, 3, 4, 5, 6] and sorted(valid1) == [2, 4, 6]
     for log, (first, last) in zip(logs[2], ((1, 4), (5, 6))):  # the first run, then the resumed one
-        train2, valid2 = _curve(log)
+        train2, valid2 = train_and_valid_losses(log)
         assert sorted(train2) == list(range(first, last + 1))
         _close(train2, _updates(train1, first, last))
         _close(valid2, _updates(valid1, first, last))
@@ -122,6 +113,6 @@ def test_fine_tuning_splits_a_one_stage_checkpoint_into_stages(runs, trained, tm
                  str(root / "pp1" / "checkpoint_last.pt"))
     assert "1 model part(s), loaded at model-parallel size 1 x 2 pipeline stages: part 0 of stage 0 resharded " \
            "in memory" in log, log[-3000:]
-    assert _curve(log)[0][1][0] < _curve(logs[1])[0][1][0] - 0.5
+    assert train_and_valid_losses(log)[0][1][0] < train_and_valid_losses(logs[1])[0][1][0] - 0.5
     assert sorted(os.listdir(tmp_path / "tuned"))[:2] == ["checkpoint_best-model_part-0-stage-0.pt",
                                                          "checkpoint_best-model_part-0-stage-1.pt"]

@@ -30,18 +30,9 @@ from fairseq_megatron.checkpoint.resharding import PartFiles, model_part, reshar
 from fairseq_megatron.checkpoint.names import staged_name
 from tests.e2e.common import eval_args, eval_loss, train_args
 from tests.helpers import ENV, fairseq
+from tests.support.files import file_contents
 
 pytestmark = pytest.mark.slow
-
-
-def _files(directory):
-    """Every file under ``directory`` with its bytes."""
-    found = {}
-    for root, _, names in os.walk(directory):
-        for name in names:
-            with open(os.path.join(root, name), "rb") as f:
-                found[os.path.relpath(os.path.join(root, name), directory)] = f.read()
-    return found
 
 
 def _digest(state_dict):
@@ -68,7 +59,7 @@ def test_a_read_only_checkpoint_left_by_a_killed_save_is_evaluated_resharded_exp
     path = str(source / "checkpoint_last.pt")
     token = read_manifest(path)["token"]
     os.replace(part_path(path, 1), staged_name(part_path(path, 1), token))
-    before = _files(source)
+    before = file_contents(source)
     out = tmp_path / "out"
     out.mkdir()
 
@@ -85,7 +76,7 @@ def test_a_read_only_checkpoint_left_by_a_killed_save_is_evaluated_resharded_exp
         "--finetune-from-model", path], nproc=2, read_only=[source])
     assert f"fine-tuning from {path}" in log and "training on 2 devices" in log and "done training" in log, \
         log[-3000:]
-    assert _files(source) == before
+    assert file_contents(source) == before
     original = PartFiles(os.path.join(trained["ckpt"], "checkpoint_last.pt"))
     assert _digest(torch.load(out / "one.pt", weights_only=False)["model"]) == _digest(
         model_part(original, 0, 1, check_replicas=True, progress=None))

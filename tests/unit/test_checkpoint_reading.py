@@ -28,16 +28,7 @@ from fairseq_megatron.checkpoint.names import staged_name
 from fairseq_megatron.cli import reshard_checkpoint
 from fairseq_megatron.fairseq_integration import checkpoint_utils
 from tests.support.checkpoint_resharding import save_checkpoint
-
-
-def _listing(directory):
-    """Every file under ``directory`` with its bytes: what a reader must leave as it was."""
-    found = {}
-    for root, _, names in os.walk(directory):
-        for name in names:
-            with open(os.path.join(root, name), "rb") as f:
-                found[os.path.relpath(os.path.join(root, name), directory)] = f.read()
-    return found
+from tests.support.files import file_contents
 
 
 def _commit(path, token, updates=5):
@@ -73,14 +64,14 @@ def test_an_unfinished_save_is_read_through_its_staged_names_and_nothing_is_writ
     token = "ab" * 16
     _commit(path, token)
     os.replace(part_path(path, 1), staged_name(part_path(path, 1), token))
-    before = _listing(source)
+    before = file_contents(source)
 
     assert find_part_files(path) == [part_path(path, 0), part_path(path, 1)]
     merged, _ = resharded_model(path, 0, 1)
     out = tmp_path / "out"
     rc, err = _reshard_cli(capsys, "--input", path, "--output", str(out / "one.pt"), "--model-parallel-size", "1")
     export_to_fairseq(path, str(out / "plain.pt"))
-    assert _listing(source) == before
+    assert file_contents(source) == before
     assert (rc, err) == (0, "")
     assert all(torch.equal(merged[k], full[k]) for k in full if not k.endswith("_float_tensor"))
     with open_save(path) as opened:
@@ -111,10 +102,10 @@ def test_a_manifest_that_names_files_elsewhere_is_refused(tmp_path, capsys, list
     names = ["checkpoint_last-model_part-0.pt", listed if listed != "token" else "checkpoint_last-model_part-1.pt"]
     with open(manifest_path(path), "w") as f:  # as write_manifest writes one, with these names
         json.dump({"token": "../../x" if listed == "token" else token, "updates": 5, "parts": names}, f)
-    before = _listing(tmp_path)
+    before = file_contents(tmp_path)
     rc, err = _reshard_cli(capsys, "--input", path, "--output", str(tmp_path / "out.pt"), "--model-parallel-size",
                            "1")
-    assert _listing(tmp_path) == before
+    assert file_contents(tmp_path) == before
     assert rc == 1 and err.startswith(f"error: {manifest_path(path)} is not a checkpoint manifest: "), err
     assert len(err.splitlines()) == 1
 

@@ -1,5 +1,5 @@
 """Time the CRC-32 check that every tool runs on a checkpoint file it reads
-(``fairseq_megatron.checkpoint.part_files.check_integrity``), on one part
+(``fairseq_megatron.checkpoint.integrity.check_integrity``), on one part
 file of the given size saved by ``torch.save`` as fairseq-train saves one.
 
     python scripts/benchmark_integrity_check.py --work-dir /tmp/crc --gb 2.8
@@ -27,7 +27,7 @@ def build_parser():
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from fairseq_megatron.checkpoint import part_files
+    from fairseq_megatron.checkpoint import integrity
 
     os.makedirs(args.work_dir, exist_ok=True)
     path = os.path.join(args.work_dir, "model-model_part-0.pt")
@@ -40,9 +40,9 @@ def main(argv=None) -> int:
     size = os.path.getsize(path)
     try:
         for _ in range(args.repeats):
-            part_files._checked.cache_clear()  # measure the read, not the memo of an earlier check
+            integrity._CHECKED.clear()  # measure the read, not the memo of an earlier check
             start = time.perf_counter()
-            assert part_files.check_integrity(path)
+            assert integrity.check_integrity(path)
             seconds = time.perf_counter() - start
             print(f"{size / 1e9:.2f} GB checked in {seconds:.2f} s: {seconds / (size / 1e9):.2f} s per GB")
     finally:

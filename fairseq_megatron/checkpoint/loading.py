@@ -29,7 +29,8 @@ import torch.distributed as dist
 from fairseq import checkpoint_utils
 
 from fairseq_megatron.checkpoint.layout import CheckpointError
-from fairseq_megatron.checkpoint.part_files import all_files, can_be_memory_mapped, check_integrity, find_part_files
+from fairseq_megatron.checkpoint.integrity import check_integrity
+from fairseq_megatron.checkpoint.part_files import all_files, can_be_memory_mapped, find_part_files
 from fairseq_megatron.checkpoint.names import checkpoint_of_part
 from fairseq_megatron.checkpoint.reading import OpenedSave, PreparedCheckpoint, open_save
 from fairseq_megatron.errors import UsageError
@@ -156,7 +157,7 @@ def refuse_an_ensemble_as_one_path(path: str) -> None:
 
 
 def check_integrity_on_every_rank(path: str, name: Optional[str] = None) -> None:
-    """:func:`~fairseq_megatron.checkpoint.part_files.check_integrity` of
+    """:func:`~fairseq_megatron.checkpoint.integrity.check_integrity` of
     ``path`` (named ``name``), this rank's part: each rank of a
     model-parallel group reads only its own, and a corrupted part must stop
     every rank of the group (the others would wait for it in their first

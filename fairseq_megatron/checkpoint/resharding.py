@@ -52,9 +52,9 @@ from fairseq_megatron.checkpoint.layout import (
     tied_keys,
 )
 from fairseq_megatron.checkpoint import safe_loading
+from fairseq_megatron.checkpoint.integrity import check_integrity
 from fairseq_megatron.checkpoint.part_files import (
     can_be_memory_mapped,
-    check_integrity,
     check_one_save,
     check_output_name,
     is_write_failure,

@@ -15,7 +15,8 @@ import torch
 from fairseq_megatron.checkpoint import part_files
 from fairseq_megatron.checkpoint.export import export_to_fairseq
 from fairseq_megatron.checkpoint.layout import CheckpointError
-from fairseq_megatron.checkpoint.part_files import check_complete, check_integrity, find_part_files, part_path
+from fairseq_megatron.checkpoint.integrity import check_integrity
+from fairseq_megatron.checkpoint.part_files import check_complete, find_part_files, part_path
 from fairseq_megatron.checkpoint.resharding import PartFiles, reshard, resharded_model
 from fairseq_megatron.cli import reshard_checkpoint
 from tests.helpers import make_dictionary

@@ -26,10 +26,12 @@ state by parameter the same way (``megatron/core/optimizer/distrib_optimizer.py`
 
 import os
 import re
+import zipfile
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from fairseq_megatron.checkpoint.integrity import check_integrity
 from fairseq_megatron.checkpoint.layout import CheckpointError
 from fairseq_megatron.checkpoint.names import staged_name
 
@@ -134,8 +136,8 @@ def place_one(values: dict, param: torch.Tensor) -> dict:
     """Whole ``values`` of one parameter's state placed as the running rank
     holds ``param``: a ``DTensor`` of this rank's piece for a sharded
     parameter (cut as the parameter is, without communication), the whole
-    value otherwise. Values not shaped like the parameter (``step``) stay as
-    they are."""
+    value otherwise. A piece is a copy: it holds its own rows only. Values
+    not shaped like the parameter (``step``) stay as they are."""
     from fairseq_megatron.modules.sharding import local_piece
 
     placed = {}
@@ -143,7 +145,9 @@ def place_one(values: dict, param: torch.Tensor) -> dict:
         if torch.is_tensor(value) and hasattr(param, "device_mesh") and tuple(value.shape) == tuple(param.shape):
             from torch.distributed.tensor import DTensor
 
-            value = DTensor.from_local(local_piece(param, value).to(param.device), param.device_mesh,
+            # a copy of the piece: a view would keep the whole value's storage on every rank
+            piece = local_piece(param, value).to(param.device, copy=True)
+            value = DTensor.from_local(piece, param.device_mesh,
                                        param.placements, shape=param.shape, stride=param.stride(), run_check=False)
         placed[name] = value
     return placed
@@ -164,10 +168,12 @@ def read_shards(part: str, shards: int, token: Optional[str]) -> List[dict]:
     """The ``shards`` optimizer shard files of part file ``part`` (its final
     name) of the save ``token``, as memory maps: each under its staged name
     where a kill left it so (:mod:`fairseq_megatron.checkpoint.commit`),
-    else under its final name.
+    else under its final name; each file's CRC-32s checked first
+    (:func:`~fairseq_megatron.checkpoint.integrity.check_integrity`).
 
     Raises:
-        CheckpointError: a shard missing, unreadable, or of another save.
+        CheckpointError: a shard missing, cut short, corrupted, unreadable,
+            or of another save.
     """
     found = []
     for rank in range(shards):
@@ -177,6 +183,14 @@ def read_shards(part: str, shards: int, token: Optional[str]) -> List[dict]:
         if name is None:
             raise CheckpointError(f"optimizer shard {path} of {part} is missing (the part was saved with {shards}): "
                                   f"restore it, or resume with --reset-optimizer to start the optimizer afresh")
+        advice = "restore it, or resume with --reset-optimizer to start the optimizer afresh"
+        if not zipfile.is_zipfile(name):  # empty, cut short, or not a file torch saved
+            raise CheckpointError(f"optimizer shard {name} is cut short or not a checkpoint "
+                                  f"({os.path.getsize(name)} bytes): {advice}")
+        try:
+            check_integrity(name)
+        except CheckpointError as e:
+            raise CheckpointError(f"optimizer shard {e}: {advice}") from None
         try:
             state = torch.load(name, map_location="cpu", mmap=True, weights_only=True)
         except Exception as e:  # a file cut short, or not a checkpoint

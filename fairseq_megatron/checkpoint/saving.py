@@ -33,7 +33,7 @@ from fairseq_megatron.checkpoint.commit import manifest_path, remove_stale, writ
 from fairseq_megatron.checkpoint.layout import CheckpointError
 from fairseq_megatron.checkpoint.loading import on_every_rank
 from fairseq_megatron.checkpoint.names import checkpoint_of_part, is_first_file, output_paths, staged_name
-from fairseq_megatron.checkpoint.optimizer_shards import SHARD_SUFFIX, shard_path, shard_paths
+from fairseq_megatron.checkpoint.optimizer_shards import SHARD_FILE_NAME, SHARD_SUFFIX, shard_path, shard_paths
 from fairseq_megatron.checkpoint.part_files import write_error
 from fairseq_megatron.files import written_whole
 from fairseq_megatron.parallel import parallel_state
@@ -59,9 +59,10 @@ def copy_whole(src: str, dst: str) -> None:
 
 
 def remove_old(paths) -> None:
-    """Remove this rank's files of the old checkpoints fairseq's --keep-*
-    options drop (``paths``: this rank's part files): each part file, its
-    optimizer shards, and with part 0 (or a model's only part) its
+    """Remove the files of the old checkpoints fairseq's --keep-* options
+    drop (``paths``: the files of this rank's part; called on the part's
+    writer alone, so that no two ranks remove one file): each part file,
+    its optimizer shards, and with part 0 (or a model's only part) its
     checkpoint's manifest."""
     for path in paths:
         if os.path.lexists(path):
@@ -81,11 +82,15 @@ def remove_manifest(checkpoint: str) -> None:
         os.remove(manifest_path(checkpoint))
 
 
-def remove_optimizer_shards(part: str) -> None:
-    """Remove the optimizer shards of part file ``part`` (:mod:`.optimizer_shards`),
-    where an earlier save under sharded data parallelism left them."""
+def remove_optimizer_shards(part: str, beyond: int = 0) -> None:
+    """Remove the optimizer shards of part file ``part`` (:mod:`.optimizer_shards`)
+    of data-parallel ranks ``beyond`` and above, where an earlier save under
+    sharded data parallelism left them (all of them by default; a save of
+    ``D`` shards removes those an earlier save at a larger ``D`` left)."""
     for name in glob.glob(glob.escape(part[: -len(".pt")]) + SHARD_SUFFIX.format("*") + ".pt"):
-        os.remove(name)
+        shard = SHARD_FILE_NAME.fullmatch(name)
+        if shard and int(shard.group(2)) >= beyond:
+            os.remove(name)
 
 
 def _failed_on_a_rank(what: str):
@@ -104,7 +109,8 @@ def save_committed(write: Callable[[Dict[str, str]], object], mine: List[str], c
     files. The ranks of the commit are the model-parallel group, or every
     rank where each saves an optimizer shard. A failure on any rank before
     the commit point stops every rank, the staged files removed and the
-    previous save left under the name."""
+    previous save left under the name. The writer of a part then removes
+    the optimizer shards beyond ``shards`` that an earlier save left."""
     staged = {name: staged_name(name, token) for name in mine}
     layout = parallel_state.get_parallel_layout()
     group = dist.group.WORLD if shards else parallel_state.get_model_parallel_group()
@@ -123,6 +129,8 @@ def save_committed(write: Callable[[Dict[str, str]], object], mine: List[str], c
     for name, written in staged.items():
         os.replace(written, name)
         remove_stale(name, token)
+        if shards and name in parts:  # the part's writer: shards of an earlier save at a larger D go
+            remove_optimizer_shards(name, beyond=shards)
 
 
 def checkpoint_names(cfg, suffix: str, epoch: int, end_of_epoch: bool, updates: int, val_loss,
@@ -198,7 +206,8 @@ def save_checkpoint_of_model_parts(cfg, trainer, epoch_itr, val_loss, best_holde
         write_timer.stop()
         logger.info(f"Saved checkpoint {checkpoints[0]} (epoch {epoch} @ {updates} updates, score {val_loss}) "
                     f"(writing took {write_timer.sum} seconds)")
-    _remove_beyond_what_is_kept(cfg, suffix, end_of_epoch)
+    if trainer.writes_the_part:  # one rank per part removes its old files (all data-parallel ranks save shards)
+        _remove_beyond_what_is_kept(cfg, suffix, end_of_epoch)
     return saved
 
 

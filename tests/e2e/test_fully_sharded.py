@@ -8,8 +8,10 @@ another run and is compared with the reference at the update it ends:
 
 - ``pytorch_ddp`` -> ``fully_sharded`` (D 2), updates 3-4;
 - ``fully_sharded`` D 2 -> D 1 (``--update-freq 2``: the same two batches
-  per update), updates 5-6;
-- ``fully_sharded`` D 1 -> D 2, updates 7-8;
+  per update), updates 5-6, into a directory holding a D 2 save of the
+  same names (its extra shards must go);
+- ``fully_sharded`` D 1 -> D 2, updates 7-8, saving every update and keeping
+  one interval checkpoint (two ranks per part save; one removes);
 - ``fully_sharded`` -> ``pytorch_ddp``, updates 5-6.
 
 Weights within 1e-5: fp32 sums in another order (reduce-scatter instead of
@@ -18,10 +20,12 @@ of learning rate 1e-3; Adam's moments or step count started afresh move
 every weight by about the learning rate at the next update (1e-3), and so
 would the wrong batches. The weights and optimizer state of every rank are
 in the files: the part files of each save hold the whole model part, and
-each rank's optimizer shard its 1 / D of the Adam moments.
+each rank's optimizer shard its 1 / D of the Adam moments, which is also
+all it holds after resuming (its memory report).
 """
 
 import os
+import re
 import shutil
 
 import pytest
@@ -56,13 +60,38 @@ def _train(trained, tmp_path, name, *extra):
     return log
 
 
+def _memory_reports(log):
+    """(parameters, optimizer state) in MiB from each rank's memory report."""
+    return [(float(p), float(o)) for p, o in re.findall(
+        r"memory of rank \d+: parameters ([0-9.]+) MiB, gradients [0-9.]+ MiB, optimizer state ([0-9.]+) MiB", log)]
+
+
 def test_fully_sharded_resumes_at_any_data_parallel_size_and_from_and_to_pytorch_ddp(trained, tmp_path):
     for name in RUNS:
-        log = _train(trained, tmp_path, name)
+        extra = ()
+        if name == "fsdp_d2_to_d1":  # its save dir holds a D 2 save under the names it saves
+            shutil.copytree(tmp_path / "ddp_to_fsdp", tmp_path / name)
+        if name == "fsdp_d1_to_d2":  # every rank saves a shard; one per part removes the checkpoint not kept
+            extra = ("--save-interval-updates", "1", "--keep-interval-updates", "1")
+        log = _train(trained, tmp_path, name, *extra)
         if RUNS[name][2] == "fully_sharded":  # every rank's memory report, each holding its share
             groups = RUNS[name][1]
-            reports = [line for line in log.splitlines() if "memory of rank" in line]
+            reports = _memory_reports(log)
             assert len(reports) == 2 * groups, log[-3000:]
+            # Adam's state is two fp32 moments per fp32 parameter: twice the parameters this rank holds (the
+            # step counts are a few bytes; each figure is rounded to 0.01 MiB), resumed or not
+            assert all(abs(optimizer - 2 * params) <= 0.02 and params > 0.05 for params, optimizer in reports), \
+                reports
+    # the D 1 save removed the D 2 save's second shards of each part; the D 2 save kept one interval checkpoint
+    assert sorted(f for f in os.listdir(tmp_path / "fsdp_d2_to_d1") if f.startswith("checkpoint_last")) == [
+        "checkpoint_last-model_part-0-optimizer-0.pt", "checkpoint_last-model_part-0.pt",
+        "checkpoint_last-model_part-1-optimizer-0.pt", "checkpoint_last-model_part-1.pt",
+        "checkpoint_last.pt.manifest.json"]
+    assert sorted(f for f in os.listdir(tmp_path / "fsdp_d1_to_d2") if f.startswith("checkpoint_1_")) == [
+        "checkpoint_1_8-model_part-0-optimizer-0.pt", "checkpoint_1_8-model_part-0-optimizer-1.pt",
+        "checkpoint_1_8-model_part-0.pt", "checkpoint_1_8-model_part-1-optimizer-0.pt",
+        "checkpoint_1_8-model_part-1-optimizer-1.pt", "checkpoint_1_8-model_part-1.pt",
+        "checkpoint_1_8.pt.manifest.json"]
     for name, (_, groups, backend, last) in RUNS.items():
         if name == "ddp":
             continue

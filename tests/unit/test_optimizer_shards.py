@@ -117,3 +117,53 @@ def test_a_manifest_lists_the_shards_of_its_parts_only(tmp_path):
             json.dump(record, f)
         with pytest.raises(CheckpointError, match="which is not the name of an optimizer shard of a part of"):
             read_manifest(checkpoint)
+
+
+def test_a_shard_cut_short_or_corrupted_is_one_line_before_it_is_read(tmp_path):
+    """Every shard file's CRC-32s are checked before its state is used:
+    flipped bytes in a moment would otherwise be trained on; an empty or
+    cut file is named as such (torch's own message speaks of mmap)."""
+    part = str(tmp_path / "checkpoint_last-model_part-0.pt")
+    token = "0" * 32
+    _save_shards(part, 2, token)
+    path = shards.shard_path(part, 1)
+    whole = open(path, "rb").read()
+    advice = "restore it, or resume with --reset-optimizer to start the optimizer afresh"
+    for cut in (whole[:0], whole[:len(whole) // 2], whole[:-30]):
+        with open(path, "wb") as f:
+            f.write(cut)
+        with pytest.raises(CheckpointError) as e:
+            shards.read_shards(part, 2, token)
+        assert str(e.value) == f"optimizer shard {path} is cut short or not a checkpoint ({len(cut)} bytes): {advice}"
+    # one byte of a moment flipped: the file is whole, its record no longer matches its CRC-32
+    with open(path, "wb") as f:
+        f.write(whole)
+    moment = torch.load(path, weights_only=True)["entries"]["0.weight"]["exp_avg"]
+    data = moment.flatten().numpy().tobytes()
+    offset = whole.index(data)
+    flipped = bytearray(whole)
+    flipped[offset + 3] ^= 0xFF
+    with open(path, "wb") as f:
+        f.write(flipped)
+    with pytest.raises(CheckpointError, match=rf"^optimizer shard {path} is corrupted: its record .* does not match "
+                                              rf"the CRC-32 stored when it was saved \(the file changed since\): "
+                                              rf"{advice}$"):
+        shards.read_shards(part, 2, token)
+
+
+def test_a_save_of_fewer_shards_removes_the_shards_beyond_them(tmp_path):
+    """A run resumed at a smaller data-parallel size saves fewer shards
+    under the same name: the shards of the larger size's other ranks go,
+    and nothing else does."""
+    from fairseq_megatron.checkpoint.saving import remove_optimizer_shards
+
+    part = str(tmp_path / "checkpoint_last-model_part-0.pt")
+    names = [shards.shard_path(part, rank) for rank in range(4)] + [
+        str(tmp_path / "checkpoint_last-model_part-0-optimizer-notes.pt"),  # not a shard's name
+        shards.shard_path(str(tmp_path / "checkpoint_last-model_part-1.pt"), 3)]  # another part's
+    for name in names:
+        open(name, "w").close()
+    remove_optimizer_shards(part, beyond=2)
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(n) for n in names[:2] + names[4:])
+    remove_optimizer_shards(part)
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(n) for n in names[4:])

@@ -110,34 +110,46 @@ def check_fully_sharded(distributed, common, ema, model, checkpoint=None) -> Non
     ``cfg.common``, ``cfg.ema``, ``cfg.checkpoint``; ``model``: the model
     config.
 
-    fairscale's options have no FSDP2 counterpart (``--cpu-offload``,
-    ``--use-sharded-state``: the checkpoints are always this package's part
-    files plus one optimizer shard per data-parallel rank); ``--zero-sharding
-    os`` shards the optimizer state a second time; ``--cuda-graphs`` would
-    replay FSDP2's collectives; fairseq's EMA and ``--amp`` copy or scale
-    the parameters whole; a save, which every rank takes part in (each
-    writes its optimizer shard, one commit of all), is written
-    synchronously to a local directory.
+    Each refusal says why: fairscale's options have no FSDP2 counterpart
+    (``--cpu-offload``, ``--use-sharded-state``: the checkpoints are always
+    this package's part files plus one optimizer shard per data-parallel
+    rank); ``--zero-sharding os`` would shard the optimizer state a second
+    time; ``--cuda-graphs`` would replay addresses of parameters FSDP2
+    gathers anew each step; fairseq's EMA keeps a whole model copy and its
+    ``--amp`` optimizer does not use FSDP2's mixed-precision policy; a save,
+    which every rank takes part in (each writes its optimizer shard, one
+    commit of all), is written synchronously to a local directory.
 
     Raises:
         UsageError: the first of these.
     """
     if distributed.ddp_backend != "fully_sharded":
         return
-    refused = [f"--{flag.replace('_', '-')}" for flag in ("cpu_offload", "use_sharded_state")
-               if getattr(distributed, flag, False)]
-    if distributed.zero_sharding != "none":
-        refused.append(f"--zero-sharding {distributed.zero_sharding}")
-    refused += [flag for flag, given in (("--cuda-graphs", safe_getattr(model, "cuda_graphs", False)),
-                                         ("--store-ema", ema.store_ema), ("--amp", common.amp)) if given]
-    if checkpoint is not None and checkpoint.write_checkpoints_asynchronously and not checkpoint.no_save:
-        refused.append("--write-checkpoints-asynchronously")  # every rank takes part in a save
-    if checkpoint is not None and "://" in (checkpoint.save_dir or "") and not checkpoint.no_save:
-        refused.append(f"--save-dir {checkpoint.save_dir} (a remote file system)")
-    if refused:
-        raise UsageError(f"{refused[0]} does not work with --ddp-backend fully_sharded (torch's FSDP2 shards "
-                         f"parameters, gradients and optimizer state over the data-parallel ranks); drop it, "
-                         f"or use --ddp-backend pytorch_ddp")
+    saving = checkpoint is not None and not checkpoint.no_save
+    refused = [
+        ("--cpu-offload", getattr(distributed, "cpu_offload", False),
+         "fairscale's FSDP option; torch's FSDP2 here keeps the parameter shards on the device"),
+        ("--use-sharded-state", getattr(distributed, "use_sharded_state", False),
+         "fairscale's FSDP option; checkpoints are always part files plus one optimizer shard per data-parallel "
+         "rank"),
+        (f"--zero-sharding {distributed.zero_sharding}", distributed.zero_sharding != "none",
+         "the optimizer state is sharded already, with the parameters"),
+        ("--cuda-graphs", safe_getattr(model, "cuda_graphs", False),
+         "FSDP2 gathers each layer's parameters into new memory every step, which a replayed CUDA graph "
+         "cannot follow"),
+        ("--store-ema", ema.store_ema, "fairseq's EMA keeps a whole copy of the model on every rank"),
+        ("--amp", common.amp, "fairseq's AMP optimizer is not wired to FSDP2's mixed-precision policy; use --fp16 "
+                              "or --bf16-autocast, which are"),
+        ("--write-checkpoints-asynchronously", saving and checkpoint.write_checkpoints_asynchronously,
+         "every rank takes part in a save (each writes its optimizer shard, one commit of all)"),
+        (f"--save-dir {checkpoint.save_dir if checkpoint is not None else ''} (a remote file system)",
+         saving and "://" in (checkpoint.save_dir or ""),
+         "the save's commit renames every rank's files in a local directory"),
+    ]
+    for flag, given, reason in refused:
+        if given:
+            raise UsageError(f"{flag} does not work with --ddp-backend fully_sharded ({reason}); drop it, or use "
+                             f"--ddp-backend pytorch_ddp")
 
 
 def check_pipeline_data_parallel_backend(ddp_backend: str, stages: int, data_parallel_size: int,

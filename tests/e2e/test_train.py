@@ -330,8 +330,8 @@ def test_fairscale_options_with_fully_sharded_refused_before_fairseq_train_write
     args[args.index("--model-parallel-size") + 1] = "1"
     rc, out = fairseq("train", args + ["--ddp-backend", "fully_sharded", "--cpu-offload"], check=False)
     assert rc == 1 and out.rstrip().splitlines()[-1] == (
-        "error: --cpu-offload does not work with --ddp-backend fully_sharded (torch's FSDP2 shards parameters, "
-        "gradients and optimizer state over the data-parallel ranks); drop it, or use --ddp-backend pytorch_ddp"
+        "error: --cpu-offload does not work with --ddp-backend fully_sharded (fairscale's FSDP option; torch's "
+        "FSDP2 here keeps the parameter shards on the device); drop it, or use --ddp-backend pytorch_ddp"
     ), out[-3000:]
     assert not save_dir.exists()
 

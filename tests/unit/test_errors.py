@@ -40,15 +40,26 @@ def test_fully_sharded_refuses_what_fsdp2_does_not_do_in_one_line():
         return None
 
     assert refusal() is None and refusal(save_dir="s3://bucket/ckpt", no_save=True) is None
-    for given, flag in ((dict(cpu_offload=True), "--cpu-offload"), (dict(use_sharded_state=True), "--use-sharded-state"),
-                        (dict(zero_sharding="os"), "--zero-sharding os"), (dict(cuda_graphs=True), "--cuda-graphs"),
-                        (dict(store_ema=True), "--store-ema"), (dict(amp=True), "--amp"),
-                        # every rank takes part in a save (each writes its optimizer shard, one commit of all)
-                        (dict(write_checkpoints_asynchronously=True), "--write-checkpoints-asynchronously"),
-                        (dict(save_dir="s3://bucket/ckpt"), "--save-dir s3://bucket/ckpt (a remote file system)")):
-        assert refusal(**given) == (f"{flag} does not work with --ddp-backend fully_sharded (torch's FSDP2 shards "
-                                    f"parameters, gradients and optimizer state over the data-parallel ranks); drop "
-                                    f"it, or use --ddp-backend pytorch_ddp"), flag
+    # each refused with its own reason, written out here as a user reads it
+    for given, flag, reason in (
+            (dict(cpu_offload=True), "--cpu-offload",
+             "fairscale's FSDP option; torch's FSDP2 here keeps the parameter shards on the device"),
+            (dict(use_sharded_state=True), "--use-sharded-state",
+             "fairscale's FSDP option; checkpoints are always part files plus one optimizer shard per "
+             "data-parallel rank"),
+            (dict(zero_sharding="os"), "--zero-sharding os", "the optimizer state is sharded already, with the "
+                                                             "parameters"),
+            (dict(cuda_graphs=True), "--cuda-graphs", "FSDP2 gathers each layer's parameters into new memory every "
+                                                      "step, which a replayed CUDA graph cannot follow"),
+            (dict(store_ema=True), "--store-ema", "fairseq's EMA keeps a whole copy of the model on every rank"),
+            (dict(amp=True), "--amp", "fairseq's AMP optimizer is not wired to FSDP2's mixed-precision policy; "
+                                      "use --fp16 or --bf16-autocast, which are"),
+            (dict(write_checkpoints_asynchronously=True), "--write-checkpoints-asynchronously",
+             "every rank takes part in a save (each writes its optimizer shard, one commit of all)"),
+            (dict(save_dir="s3://bucket/ckpt"), "--save-dir s3://bucket/ckpt (a remote file system)",
+             "the save's commit renames every rank's files in a local directory")):
+        assert refusal(**given) == (f"{flag} does not work with --ddp-backend fully_sharded ({reason}); drop it, "
+                                    f"or use --ddp-backend pytorch_ddp"), flag
     with enable_wrap(wrapper_cls=FullyShardedDataParallel):
         model, _ = build_model(1, cpu=True)
         assert fsdp_wrap(model) is model

@@ -360,8 +360,12 @@ def layout_memory(m: ModelShape, t: int, p: int, dp: int, accumulation: int, tra
                   training.fully_sharded or ("os" if training.zero_sharding else "none"))
 
 
-_LOWER_MEMORY = ("lower it with activation checkpointing, sequence parallelism, fully sharded data parallelism "
-                 "or ZeRO sharding (several data-parallel ranks), Adafactor or a smaller micro batch")
+def _lower_memory(sharding: str) -> str:
+    """How to lower a layout's memory, for a layout of ``sharding`` (``Layout.sharding``):
+    the sharding it already has is not advised again."""
+    sharded = {"none": "fully sharded data parallelism or ZeRO sharding (several data-parallel ranks), ",
+               "os": "fully sharded data parallelism (several data-parallel ranks), "}.get(sharding, "")
+    return f"lower it with activation checkpointing, sequence parallelism, {sharded}Adafactor or a smaller micro batch"
 
 
 def recommend(layouts: List[Layout], fully_sharded: Optional[List[Layout]] = None) -> (Optional[Layout], str):
@@ -378,8 +382,13 @@ def recommend(layouts: List[Layout], fully_sharded: Optional[List[Layout]] = Non
                                                f"DP={sharded.dp} ({sharded.total_gb:.1f} GB per GPU), {why}")
     if best is None:
         smallest = min(layouts, key=lambda lay: lay.total_gb)
+        sharding, tried = smallest.sharding, ""
+        if fully_sharded:  # tried as well: not advised again
+            sharded_smallest = min(fully_sharded, key=lambda lay: lay.total_gb)
+            sharding, tried = sharded_smallest.sharding, (f", fully sharded {sharded_smallest.total_gb:.1f} GB "
+                                                          f"(TP={sharded_smallest.tp}, PP={sharded_smallest.pp})")
         return None, (f"no layout fits; the smallest needs {smallest.total_gb:.1f} GB per GPU "
-                      f"(TP={smallest.tp}, PP={smallest.pp}): {_LOWER_MEMORY}, or use more GPUs")
+                      f"(TP={smallest.tp}, PP={smallest.pp}){tried}: {_lower_memory(sharding)}, or use more GPUs")
     return best, _with_command(best, f"TP={best.tp}, PP={best.pp}, DP={best.dp} is the smallest model-parallel "
                                      f"degree that fits ({best.total_gb:.1f} GB per GPU): the most data parallelism, "
                                      f"tensor-parallel all-reduces kept inside a node")

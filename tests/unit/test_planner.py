@@ -182,8 +182,22 @@ def test_cli_table_json_and_errors(capsys):
                                   "--global-batch", "8", "--micro-batch", "8", "--gpu-memory", "80"]) == 1
     out, err = capsys.readouterr()
     assert out.splitlines()[-1] == "recommended: none" and out.splitlines()[-2].split()[-1] == "no"
-    assert re.fullmatch(r"error: no layout fits; the smallest needs [0-9.]+ GB per GPU \(TP=1, PP=1\): "
-                        r"lower it with .*, or use more GPUs\n", err), err
+    # fully sharded data parallelism was tried too (ZeRO-3): said so, and not advised again
+    assert re.fullmatch(r"error: no layout fits; the smallest needs [0-9.]+ GB per GPU \(TP=1, PP=1\), fully "
+                        r"sharded [0-9.]+ GB \(TP=1, PP=1\): lower it with activation checkpointing, sequence "
+                        r"parallelism, Adafactor or a smaller micro batch, or use more GPUs\n", err), err
+    # with --fully-sharded: the same, the sharded layouts being the request's own
+    assert plan_parallelism.main(["--arch", "transformer_lm_megatron_11b", "--gpus", "1", "--gpus-per-node", "1",
+                                  "--global-batch", "8", "--micro-batch", "8", "--fully-sharded"]) == 1
+    out, err = capsys.readouterr()
+    assert re.fullmatch(r"error: no layout fits; the smallest needs [0-9.]+ GB per GPU \(TP=1, PP=1\): lower it "
+                        r"with activation checkpointing, sequence parallelism, Adafactor or a smaller micro batch, "
+                        r"or use more GPUs\n", err), err
+    # with --zero-sharding: fully sharded data parallelism is still advised
+    assert plan_parallelism.main(["--arch", "transformer_lm_megatron_11b", "--gpus", "1", "--gpus-per-node", "1",
+                                  "--global-batch", "8", "--micro-batch", "8", "--zero-sharding"]) == 1
+    assert "sequence parallelism, fully sharded data parallelism (several data-parallel ranks), Adafactor" in \
+        capsys.readouterr().err
     assert plan_parallelism.main(["--arch", "transformer_lm_megatron_11b", "--gpus", "1", "--gpus-per-node", "1",
                                   "--global-batch", "8", "--micro-batch", "8", "--json"]) == 1
     out, err = capsys.readouterr()

@@ -3,7 +3,8 @@
 fairseq's trainer (our ``MegatronTrainer``) trains a 2-layer model with tied
 embeddings and no dropout for 20 updates of 2 samples (``--update-freq 2``)
 at context-parallel size 2, with torch's DDP (``pytorch_ddp``) averaging the
-gradients over the two ranks, and at one rank: per-update loss and
+gradients over the two ranks, with torch's FSDP2 (``fully_sharded``)
+sharding the parameters over them, and at one rank: per-update loss and
 gradient norm, the last update's gradients and the final weights are
 compared. The epoch ends with a batch of a shorter block (13 tokens: padded
 to 16, a multiple of 2C, with a row shorter still), so the padding path is
@@ -92,6 +93,11 @@ def test_context_parallel_matches_one_rank(tmp_path):
     results = _run(tmp_path, "c2", context=2, extra=("--ddp-backend", "pytorch_ddp"))
     _check_layout(results, 1, 2, 1, LENGTH // 2)
     _compare(results, reference)
+    # sharded data parallelism over the D x C = 2 ranks that average gradients: every parameter a DTensor
+    sharded = _run(tmp_path, "c2-fsdp", context=2, extra=("--ddp-backend", "fully_sharded"))
+    _check_layout(sharded, 1, 2, 1, LENGTH // 2)
+    assert all(r["sharded"] == r["names"] and r["names"] for r in sharded)
+    _compare(sharded, reference)
     # Control: a top-left causal mask changes the first loss already; the comparison refuses it.
     control = _run(tmp_path, "top-left", context=2, updates=1, worker=train_with_top_left_mask)
     first_update = [dict(reference[0], losses=reference[0]["losses"][:1], norms=reference[0]["norms"][:1])]

@@ -96,10 +96,10 @@ def export_to_fairseq(input_path: str, output_path: str, vocab_size: Optional[in
     if vocab_size is not None:
         if vocab_size > rows:
             raise CheckpointError(f"vocab size {vocab_size} is larger than the checkpoint's {rows} rows")
-        embed = model["decoder.embed_tokens.weight"][:vocab_size].clone()
+        cut = {}  # a tied projection is the embedding's tensor, and stays it; an untied one is cut on its own
         for key in EMBED_KEYS:
             if key in model:
-                model[key] = embed
+                model[key] = cut.setdefault(id(model[key]), model[key][:vocab_size].clone())
     cfg = _plain(parts.metadata.get("cfg") or _config_of_args(parts.metadata.get("args")))
     cfg["model"] = fairseq_transformer_lm_config(model_config(parts.metadata), cfg)
     cfg.setdefault("common", {})["model_parallel_size"] = 1

@@ -183,6 +183,15 @@ def test_pipelined_checkpoints_export_with_the_logits_of_one_stage(tmp_path, tie
         stock.eval()
         with torch.no_grad():
             _close(stock(tokens)[0], expected)
+        # the dictionary's rows only (the CLI's export, --dict or the recorded size): each weight its own rows,
+        # the untied projection not replaced by the embedding
+        export_to_fairseq(path, plain, vocab_size=len(dictionary))
+        state = torch.load(plain, weights_only=True)
+        stock = TransformerLanguageModel.build_model(Namespace(**state["cfg"]["model"]), LMTask(dictionary))
+        stock.load_state_dict(state["model"], strict=True)
+        stock.eval()
+        with torch.no_grad():
+            _close(stock(tokens)[0], expected[..., : len(dictionary)])
 
 
 def test_bad_input_is_one_line_and_writes_nothing(exported, tmp_path, capsys):

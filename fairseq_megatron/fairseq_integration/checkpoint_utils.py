@@ -151,7 +151,9 @@ def load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, stric
             if not PathManager.exists(part_name(filename.replace(".pt", suffix + ".pt"), suffix)):
                 raise  # naming the part files looked for; fairseq named one rank's part
             files = []  # a path only fairseq's PathManager reaches (a remote URI)
-        if not (len(files) > 1 or (files and plugin_on_command_line())):  # one file of fairseq's own, or remote
+        named_file = len(files) == 1 and os.path.abspath(files[0]) == os.path.abspath(filename)
+        if not (len(files) > 1 or (files and (plugin_on_command_line() or not named_file))):
+            # one file of fairseq's own (the file named), or remote
             models, cfg, task = load([part_name(filename.replace(".pt", suffix + ".pt"), suffix)
                                       if suffix and files else filename], arg_overrides, task, strict,
                                      "" if suffix and files else suffix, num_shards)

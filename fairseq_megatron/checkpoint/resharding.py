@@ -340,6 +340,12 @@ class PartFiles:
                 raise CheckpointError(f"{path} is in {self.stages} pipeline stages: its optimizer state is not "
                                       f"resharded (each stage's optimizer holds that stage's parameters)")
             for f, state in zip(self.files, loaded):
+                if state.get("optimizer_shards") and not state.get("last_optimizer_state"):
+                    raise CheckpointError(
+                        f"{f} keeps its optimizer state in {state['optimizer_shards']} optimizer shards (saved under "
+                        f"--ddp-backend fully_sharded), which --keep-optimizer does not read: resume it once with "
+                        f"fairseq-train --ddp-backend pytorch_ddp and reshard the checkpoint that run saves, or "
+                        f"reshard without --keep-optimizer")
                 if not state.get("last_optimizer_state"):
                     raise CheckpointError(f"{f} holds no optimizer state")
         if self.mmap:

@@ -4,6 +4,8 @@ import os
 import re
 import sys
 
+import torch
+
 from fairseq_megatron import USER_DIR
 from tests.helpers import fairseq
 
@@ -146,3 +148,27 @@ def train_and_valid_losses(log):
     valid = {int(u): float(loss) for loss, u in
              re.findall(r"valid on 'valid' subset \| loss ([0-9.]+) \|.*\| num_updates (\d+)", log)}
     return train, valid
+
+
+def train_and_validate(data, save_dir, max_update, nproc, *flags):
+    """fairseq-train of the small model with dropout off, validated every 2
+    updates and each update logged, on ``nproc`` processes (one without
+    torchrun); ``flags``: the run's layout and its own options. Its log,
+    which must say it ran on ``nproc`` devices."""
+    args = [data, "--user-dir", USER_DIR, "--cpu", *MODEL, "--criterion", "vocab_parallel_cross_entropy",
+            "--batch-size", "4", "--optimizer", "adam", "--lr", "0.001", "--clip-norm", "1.0",
+            "--max-update", str(max_update), "--save-dir", str(save_dir), "--no-epoch-checkpoints",
+            "--validate-interval-updates", "2", "--log-format", "simple", "--log-interval", "1", "--seed", "3",
+            "--dropout", "0", "--attention-dropout", "0", *flags]
+    _, log = fairseq("train", args, nproc=nproc if nproc > 1 else None)
+    assert f"training on {nproc} devices" in log, log[-3000:]
+    return log
+
+
+def assert_close_per_update(a, b):
+    """The same updates in ``a`` and ``b`` (of :func:`train_and_valid_losses`),
+    some, each within 1e-3: losses and norms printed to 3 decimals."""
+    assert a.keys() == b.keys() and a, (a, b)
+    for k in a:
+        torch.testing.assert_close(torch.tensor(a[k], dtype=torch.float64), torch.tensor(b[k], dtype=torch.float64),
+                                   rtol=0, atol=1e-3, msg=f"update {k}")

@@ -23,30 +23,15 @@ import shutil
 import pytest
 import torch
 
-from fairseq_megatron import USER_DIR
-from tests.e2e.common import MODEL, eval_args, eval_loss, train_and_valid_losses
+from tests.e2e.common import assert_close_per_update, eval_args, eval_loss, train_and_valid_losses, train_and_validate
 from tests.helpers import fairseq
 
 pytestmark = pytest.mark.slow
-UPDATES, LR = 4, 1e-3
+UPDATES, LR = 4, 1e-3  # LR: train_and_validate's --lr
 
 
 def _train(data, save_dir, context, max_update=UPDATES, *extra):
-    args = [data, "--user-dir", USER_DIR, "--cpu", *MODEL, "--criterion", "vocab_parallel_cross_entropy",
-            "--batch-size", "4", "--optimizer", "adam", "--lr", str(LR), "--clip-norm", "1.0",
-            "--max-update", str(max_update), "--save-dir", str(save_dir), "--no-epoch-checkpoints",
-            "--validate-interval-updates", "2", "--log-format", "simple", "--log-interval", "1", "--seed", "3",
-            "--dropout", "0", "--attention-dropout", "0", "--context-parallel-size", str(context), *extra]
-    _, log = fairseq("train", args, nproc=context if context > 1 else None)
-    assert f"training on {context} devices" in log, log[-3000:]
-    return log
-
-
-def _close(a, b):
-    assert a.keys() == b.keys() and a, (a, b)
-    for k in a:
-        torch.testing.assert_close(torch.tensor(a[k], dtype=torch.float64), torch.tensor(b[k], dtype=torch.float64),
-                                   rtol=0, atol=1e-3, msg=f"update {k}")
+    return train_and_validate(data, save_dir, max_update, context, "--context-parallel-size", str(context), *extra)
 
 
 def test_two_context_ranks_train_evaluate_and_resume_as_one(trained, tmp_path):
@@ -55,8 +40,8 @@ def test_two_context_ranks_train_evaluate_and_resume_as_one(trained, tmp_path):
     one = _train(trained["data"], tmp_path / "c1", 1, UPDATES + 2, "--save-interval-updates", str(UPDATES))
     (train2, valid2), (train1, valid1) = train_and_valid_losses(two), train_and_valid_losses(one)
     assert sorted(train1) == [1, 2, 3, 4, 5, 6] and sorted(valid1) == [2, 4, 6]
-    _close(train2, {u: v for u, v in train1.items() if u <= UPDATES})
-    _close(valid2, {u: v for u, v in valid1.items() if u <= UPDATES})
+    assert_close_per_update(train2, {u: v for u, v in train1.items() if u <= UPDATES})
+    assert_close_per_update(valid2, {u: v for u, v in valid1.items() if u <= UPDATES})
 
     assert sorted(os.listdir(tmp_path / "c2")) == ["checkpoint_best.pt", "checkpoint_last.pt"]
     c2, c1 = tmp_path / "c2" / "checkpoint_last.pt", tmp_path / "c1" / f"checkpoint_1_{UPDATES}.pt"
@@ -73,4 +58,4 @@ def test_two_context_ranks_train_evaluate_and_resume_as_one(trained, tmp_path):
     shutil.copytree(tmp_path / "c2", tmp_path / "c2-then-c1")
     resumed, _ = train_and_valid_losses(_train(trained["data"], tmp_path / "c2-then-c1", 1, UPDATES + 2))
     assert sorted(resumed) == [5, 6]
-    _close(resumed, {u: v for u, v in train1.items() if u > UPDATES})
+    assert_close_per_update(resumed, {u: v for u, v in train1.items() if u > UPDATES})

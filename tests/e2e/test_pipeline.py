@@ -21,30 +21,16 @@ import re
 import pytest
 import torch
 
-from fairseq_megatron import USER_DIR
 from fairseq_megatron.checkpoint.resharding import reshard
-from tests.e2e.common import MODEL, eval_args, eval_loss, train_and_valid_losses
+from tests.e2e.common import assert_close_per_update, eval_args, eval_loss, train_and_valid_losses, train_and_validate
 from tests.helpers import fairseq
 
 pytestmark = pytest.mark.slow
 
 
 def _train(data, save_dir, stages, max_update, *extra):
-    args = [data, "--user-dir", USER_DIR, "--cpu", *MODEL, "--criterion", "vocab_parallel_cross_entropy",
-            "--batch-size", "4", "--update-freq", "2", "--optimizer", "adam", "--lr", "0.001", "--clip-norm", "1.0",
-            "--max-update", str(max_update), "--save-dir", str(save_dir), "--no-epoch-checkpoints",
-            "--validate-interval-updates", "2", "--log-format", "simple", "--log-interval", "1", "--seed", "3",
-            "--dropout", "0", "--attention-dropout", "0", "--pipeline-model-parallel-size", str(stages), *extra]
-    _, log = fairseq("train", args, nproc=stages if stages > 1 else None)
-    assert f"training on {stages} devices" in log, log[-3000:]
-    return log
-
-
-def _close(a, b):
-    assert a.keys() == b.keys(), (a, b)
-    for k in a:
-        torch.testing.assert_close(torch.tensor(a[k], dtype=torch.float64), torch.tensor(b[k], dtype=torch.float64),
-                                   rtol=0, atol=1e-3, msg=f"update {k}")
+    return train_and_validate(data, save_dir, max_update, stages, "--update-freq", "2",
+                              "--pipeline-model-parallel-size", str(stages), *extra)
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +53,8 @@ def test_two_stages_train_as_one(runs):
     for log, (first, last) in zip(logs[2], ((1, 4), (5, 6))):  # the first run, then the resumed one
         train2, valid2 = train_and_valid_losses(log)
         assert sorted(train2) == list(range(first, last + 1))
-        _close(train2, _updates(train1, first, last))
-        _close(valid2, _updates(valid1, first, last))
+        assert_close_per_update(train2, _updates(train1, first, last))
+        assert_close_per_update(valid2, _updates(valid1, first, last))
 
 
 def test_stage_files_hold_their_stages_and_commit(runs):

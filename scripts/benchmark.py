@@ -725,18 +725,14 @@ def read_csv_rows(path: str) -> list:
 
 
 def write_csv(path: str, rows) -> None:
-    """Write the header and ``rows`` to ``path``: to ``path.tmp``, then
-    renamed, so an interrupted run leaves the old file whole."""
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):  # the write failed: no partial file stays behind
-            os.remove(tmp)
+    """Write the header and ``rows`` to ``path``: under a temporary name of
+    its own, then renamed, so an interrupted run leaves the old file whole."""
+    from fairseq_megatron.files import written_whole
+
+    with written_whole(path) as partial, open(partial, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def run_record(row: dict) -> dict:
@@ -751,11 +747,11 @@ def run_record(row: dict) -> dict:
 def append_records(path: str, records) -> None:
     """Add ``records`` to the JSON-lines file ``path`` (written whole under a
     temporary name, then renamed)."""
+    from fairseq_megatron.files import written_whole
+
     old = open(path).read() if os.path.exists(path) else ""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with written_whole(path) as partial, open(partial, "w") as f:
         f.write(old + "".join(json.dumps(r) + "\n" for r in records))
-    os.replace(tmp, path)
 
 
 def draw_png(csv_path: str, png_path: str) -> None:
@@ -781,9 +777,10 @@ def draw_png(csv_path: str, png_path: str) -> None:
     left.invert_yaxis()
     fig.suptitle(f"fairseq_megatron benchmark ({rows[-1]['device']})")
     fig.tight_layout()
-    tmp = png_path + ".tmp.png"
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, png_path)
+    from fairseq_megatron.files import written_whole
+
+    with written_whole(png_path, suffix=".png") as partial:
+        fig.savefig(partial, dpi=100)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -313,13 +313,13 @@ def read_rows(path: str) -> List[dict]:
 
 
 def write_rows(path: str, fields: List[str], rows: List[dict]) -> None:
-    """The whole CSV under a temporary name, then renamed."""
-    tmp = path + ".tmp"
-    with open(tmp, "w", newline="") as f:
+    """The whole CSV under a temporary name of its own, then renamed."""
+    from fairseq_megatron.files import written_whole
+
+    with written_whole(path) as partial, open(partial, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
-    os.replace(tmp, path)
 
 
 def device_slug(name: str) -> str:

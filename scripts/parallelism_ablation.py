@@ -393,17 +393,13 @@ def format_table(lines: List[dict]) -> str:
 
 
 def write_csv(path: str, lines: List[dict]) -> None:
-    """``lines`` under :data:`CSV_FIELDS`, written to ``path.tmp`` and renamed."""
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-            writer.writeheader()
-            writer.writerows(lines)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):  # the write failed: no partial file stays behind
-            os.remove(tmp)
+    """``lines`` under :data:`CSV_FIELDS`, written under a temporary name of its own and renamed."""
+    from fairseq_megatron.files import written_whole
+
+    with written_whole(path) as partial, open(partial, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(lines)
 
 
 def draw_png(path: str, lines: List[dict]) -> None:
@@ -446,14 +442,13 @@ def draw_png(path: str, lines: List[dict]) -> None:
     ranks_axis.legend(fontsize=8)
     fig.suptitle(f"parallelism ablation ({lines[0]['device']})")
     fig.tight_layout()
-    tmp = path + ".tmp.png"
+    from fairseq_megatron.files import written_whole
+
     try:
-        fig.savefig(tmp, dpi=100)
-        os.replace(tmp, path)
+        with written_whole(path, suffix=".png") as partial:
+            fig.savefig(partial, dpi=100)
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 # ----------------------------------------------------------------- main

@@ -8,7 +8,6 @@ work unchanged. State-dict keys and per-rank shapes are those of fairseq's
 decoder is :mod:`fairseq_megatron.models.model_parallel_transformer_decoder`.
 """
 
-import logging
 from typing import Optional
 
 import torch

@@ -23,7 +23,7 @@ the all-reduce; the scalar cancels. The price, at model-parallel size > 1
 only, is one more read of every gradient per step (two multi-tensor norms).
 """
 
-from typing import Callable, Iterable, List, Tuple
+from typing import Callable, Iterable, List
 
 import torch
 import torch.distributed as dist

@@ -20,8 +20,6 @@ optimizer state, counted from its tensors, as the planner predicts.
 
 import os
 
-import pytest
-
 from fairseq_megatron.planner import ModelShape, plan
 from tests.helpers import run_distributed
 from tests.support.pipeline import LENGTH, ROWS, VOCAB, compare_runs, train

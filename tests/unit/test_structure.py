@@ -6,7 +6,6 @@ fairseq_integration -> cli), no import cycle, process groups are made in
 
 import ast
 import os
-from collections import defaultdict
 
 import fairseq_megatron
 

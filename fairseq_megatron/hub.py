@@ -11,7 +11,6 @@ search, and sampling draws from the default generator, seeded identically on
 all ranks). Mirrors ``fairseq.hub_utils.from_pretrained``.
 """
 
-import atexit
 import os
 from typing import Optional
 
@@ -28,8 +27,8 @@ from fairseq_megatron.parallel.rng_tracker import model_parallel_manual_seed
 def init_distributed_from_env() -> None:
     """Initialise torch.distributed from torchrun's environment, if it is set and not done yet.
 
-    The process group is destroyed at interpreter exit (a gloo group left
-    alive can abort the process while Python shuts down).
+    The process groups are destroyed at a normal exit, before Python shuts
+    down (see :func:`~fairseq_megatron.parallel.parallel_state.release_process_groups`).
     """
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
@@ -37,12 +36,7 @@ def init_distributed_from_env() -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     dist.init_process_group(backend=backend, init_method="env://")
-    atexit.register(_destroy_process_group)
-
-
-def _destroy_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    parallel_state.release_at_exit()
 
 
 def from_pretrained(

@@ -61,7 +61,6 @@ class ColumnParallelLinear(KeepsParameterAttributes, nn.Module):
     ):
         super().__init__()
         self.tensor_parallel = parallel_state.resolve_tensor_parallel(group)
-        self.group = self.tensor_parallel.group
         world_size = self.tensor_parallel.size
         self.in_features = in_features
         self.out_features = out_features
@@ -80,9 +79,10 @@ class ColumnParallelLinear(KeepsParameterAttributes, nn.Module):
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         """``x`` ``(*, in)`` replicated, or with ``sequence_parallel`` this rank's
         ``(T / N, *, in)`` sequence shard, all-gathered here to ``(T, *, in)``."""
-        y = float8.linear(self, column_parallel_input(x, self.group, sequence_parallel), self.weight, self.bias)
+        x = column_parallel_input(x, self.tensor_parallel.group, sequence_parallel)
+        y = float8.linear(self, x, self.weight, self.bias)
         if self.gather_output:
-            y = gather_from_tensor_model_parallel_region(y, self.group)
+            y = gather_from_tensor_model_parallel_region(y, self.tensor_parallel.group)
         return y
 
     def extra_repr(self) -> str:

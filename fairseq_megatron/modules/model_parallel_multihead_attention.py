@@ -72,7 +72,6 @@ class ModelParallelMultiheadAttention(KeepsParameterAttributes, nn.Module):
     ):
         super().__init__()
         self.tensor_parallel = parallel_state.resolve_tensor_parallel(group)
-        self.group = self.tensor_parallel.group
         world_size = self.tensor_parallel.size
         self.embed_dim = embed_dim
         self.num_heads = num_heads  # total, as fairseq's TransformerDecoderLayer expects
@@ -102,7 +101,7 @@ class ModelParallelMultiheadAttention(KeepsParameterAttributes, nn.Module):
         Returns three ``(T, B, C / N)`` views. With ``sequence_parallel``, ``x``
         is this rank's ``(T / N, B, C)`` sequence shard and is all-gathered.
         """
-        x = column_parallel_input(x, self.group, sequence_parallel)
+        x = column_parallel_input(x, self.tensor_parallel.group, sequence_parallel)
         projections = (self.q_proj, self.k_proj, self.v_proj)
         weight = torch.cat([p.weight for p in projections])
         bias = torch.cat([p.bias for p in projections]) if self.q_proj.bias is not None else None

@@ -56,7 +56,7 @@ class ModelParallelTransformerDecoderLayer(KeepsParameterAttributes, nn.Module):
     def __init__(self, cfg, group=parallel_state.DEFAULT_GROUP):
         super().__init__()
         tensor_parallel = parallel_state.resolve_tensor_parallel(group)
-        self.tensor_parallel, self.group = tensor_parallel, tensor_parallel.group
+        self.tensor_parallel = tensor_parallel
         embed_dim = cfg.decoder.embed_dim
         self.embed_dim = embed_dim
         self.normalize_before = cfg.decoder.normalize_before
@@ -91,8 +91,8 @@ class ModelParallelTransformerDecoderLayer(KeepsParameterAttributes, nn.Module):
             return norm(x)
         # On a sequence shard each rank sees only its positions: the weight and
         # bias gradients are partial sums, all-reduced by the copy's backward.
-        weight = copy_to_tensor_model_parallel_region(norm.weight, self.group)
-        bias = copy_to_tensor_model_parallel_region(norm.bias, self.group)
+        weight = copy_to_tensor_model_parallel_region(norm.weight, self.tensor_parallel.group)
+        bias = copy_to_tensor_model_parallel_region(norm.bias, self.tensor_parallel.group)
         return F.layer_norm(x, norm.normalized_shape, weight, bias, norm.eps)
 
     def forward(

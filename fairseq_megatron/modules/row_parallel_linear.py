@@ -54,7 +54,6 @@ class RowParallelLinear(KeepsParameterAttributes, nn.Module):
     ):
         super().__init__()
         self.tensor_parallel = parallel_state.resolve_tensor_parallel(group)
-        self.group = self.tensor_parallel.group
         world_size = self.tensor_parallel.size
         self.in_features = in_features
         self.out_features = out_features
@@ -76,17 +75,17 @@ class RowParallelLinear(KeepsParameterAttributes, nn.Module):
         (reduce-scatter instead of all-reduce; the bias gradient, a sum over
         this rank's positions only, is all-reduced in backward)."""
         if not self.input_is_parallel:
-            x = scatter_to_tensor_model_parallel_region(x, self.group)
+            x = scatter_to_tensor_model_parallel_region(x, self.tensor_parallel.group)
         if self.in_features_per_partition == self.in_features and not sequence_parallel:
             return float8.linear(self, x, self.weight, self.bias)  # a group of one: nothing to reduce
         y = float8.linear(self, x, self.weight)
         bias = self.bias
         if sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(y, self.group)
+            y = reduce_scatter_to_sequence_parallel_region(y, self.tensor_parallel.group)
             if bias is not None:
-                bias = copy_to_tensor_model_parallel_region(bias, self.group)
+                bias = copy_to_tensor_model_parallel_region(bias, self.tensor_parallel.group)
         else:
-            y = reduce_from_tensor_model_parallel_region(y, self.group)
+            y = reduce_from_tensor_model_parallel_region(y, self.tensor_parallel.group)
         if bias is not None:
             y = y + bias
         return y

@@ -61,7 +61,6 @@ class VocabParallelEmbedding(KeepsParameterAttributes, nn.Module):
     ):
         super().__init__()
         self.tensor_parallel = parallel_state.resolve_tensor_parallel(group)
-        self.group = self.tensor_parallel.group
         world_size = self.tensor_parallel.size
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
@@ -88,7 +87,7 @@ class VocabParallelEmbedding(KeepsParameterAttributes, nn.Module):
         local_ids = (tokens - self.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self._local_padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_model_parallel_region(out, self.group)
+        return reduce_from_tensor_model_parallel_region(out, self.tensor_parallel.group)
 
     def extra_repr(self) -> str:
         return (

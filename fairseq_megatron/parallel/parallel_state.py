@@ -37,12 +37,19 @@ The getters keep Megatron-LM's and fairscale's names
 :mod:`fairseq_megatron.fairseq_integration.mpu`.
 """
 
+import atexit
 import copy
 import datetime
+import gc
+import sys
 from dataclasses import dataclass
 from typing import List, Optional
 
 import torch.distributed as dist
+# Before any world starts: its functions take ``group.WORLD`` as a default argument, evaluated at import;
+# imported once a world runs (torch's sharded-tensor code does, during training), they keep its group to the
+# very end, past release_process_groups. Imported now, the default is None, which means the same world.
+import torch.distributed.nn.functional  # noqa: F401
 
 from fairseq_megatron.parallel.layout import MESH_DIMENSIONS, Coordinates, ParallelLayout
 
@@ -63,6 +70,12 @@ class RankGroup:
     size: int = 1
     rank: int = 0
     group: ProcessGroup = None
+
+    def release(self) -> None:
+        """Drop the process group (the layers holding this object can then
+        run no collective); only :func:`release_process_groups` calls it, at
+        exit. The one change a ``RankGroup`` ever sees."""
+        object.__setattr__(self, "group", None)
 
     @classmethod
     def of(cls, group: ProcessGroup) -> "RankGroup":
@@ -182,6 +195,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
         _state = _SINGLE_PROCESS
         return
     _state = _build(layout)
+    release_at_exit()
     # Leave together: a rank that fails right after (a bad option its tool checks at the start) closed its
     # connections while a slower rank was still opening them, which then failed in gloo's connect instead
     # of reporting that option.
@@ -201,13 +215,12 @@ def start_single_rank_world() -> None:
     """Start a torch.distributed world of this one process (NCCL with a GPU,
     else gloo; an in-memory store, no environment needed), for code that
     needs a process group even at one rank (torch's FSDP2)."""
-    import sys
-
     import torch
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     hook = sys.excepthook
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    release_at_exit()
     # torch's hook prefixes each line of an uncaught error with "[rank0]: ", which tells the ranks of a launched
     # world apart; a world of one process has no other rank, and its one-line errors stay one line
     sys.excepthook = hook
@@ -231,6 +244,53 @@ def destroy_model_parallel() -> None:
     """Forget the groups (tests use this to re-initialise in one process)."""
     global _state
     _state = None
+
+
+_release_registered = False
+
+
+def release_at_exit() -> None:
+    """Have :func:`release_process_groups` run when this process exits
+    normally (registered once per process, whatever the number of calls)."""
+    global _release_registered
+    if not _release_registered:
+        atexit.register(_release_after_normal_exit)
+        _release_registered = True
+
+
+def _release_after_normal_exit() -> None:
+    # After an uncaught error, a rank's peers may still wait in a collective: leave the groups to the
+    # process's end, as before (torchtitan destroys its groups after a successful run only, for the same reason).
+    if getattr(sys, "last_value", None) is None:
+        release_process_groups()
+
+
+def release_process_groups() -> None:
+    """Destroy torch.distributed's groups and drop every handle to them this
+    package holds, so that each gloo backend is destroyed, and its worker
+    threads joined, while Python still runs.
+
+    A gloo worker thread releases a finished collective's tensors after the
+    caller has moved on; if the interpreter is finalizing by then, freeing a
+    tensor's Python object from that thread aborts the process ("terminate
+    called without an active exception", SIGABRT, after the script's last
+    line; pytorch/pytorch issues 117762 and 190489).
+    ``torch.distributed.destroy_process_group`` alone does not prevent it:
+    it stops no gloo thread while a layer still holds the group, and the
+    model's layers hold theirs (through the :class:`RankGroup` objects
+    here) until the very end. Groups a caller made itself and keeps are its
+    own to release.
+    """
+    global _state, _patient_group
+    state, _state, _patient_group = _state, None, None
+    if state is not None and state is not _SINGLE_PROCESS:
+        for rank_group in (state.tensor, state.context, state.data, state.pipeline, state.model,
+                           state.embedding, state.data_context):
+            rank_group.release()
+    del state
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # the device mesh holds its groups, within reference cycles (a flattened mesh and its root)
 
 
 def model_parallel_is_initialized() -> bool:

@@ -24,8 +24,8 @@ def _copy_at_size(rank, world_size, wrapped):
         for wrap in wrapped:
             {"compile": aot_eager, "checkpoint": checkpoint_wrapper}[wrap](layer)
     copied = check_copy(model, dictionary)
-    group = copied.decoder.layers[0].fc1.group
-    assert group is model.decoder.layers[0].fc1.group, "the copy has another group"
+    group = copied.decoder.layers[0].fc1.tensor_parallel.group
+    assert group is model.decoder.layers[0].fc1.tensor_parallel.group, "the copy has another group"
     assert isinstance(group, dist.ProcessGroup) and dist.get_world_size(group) == world_size
     return parallel_state.get_tensor_model_parallel_world_size()
 

@@ -22,7 +22,21 @@ MODEL = [
     "--sample-break-mode", "none", "--tokens-per-sample", "32",
 ]
 HUB_SCRIPT = """
-import sys, torch
+import atexit, os, sys
+
+
+def gloo_threads():
+    names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+    return sum(name.startswith(("pt_gloo", "gloo")) for name in names)
+
+
+def report_at_exit():  # registered before the package's own handler, so it runs after it, as Python finalizes
+    with open(f"{sys.argv[3]}/threads{rank}.txt", "a") as f:
+        print(f"at exit: {gloo_threads()}", file=f)
+
+
+atexit.register(report_at_exit)
+import torch
 from fairseq_megatron.hub import from_pretrained
 lm = from_pretrained(sys.argv[1], data=sys.argv[2], cpu=True, model_parallel_size=int(sys.argv[4]))
 rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -32,6 +46,8 @@ with open(f"{sys.argv[3]}/rank{rank}.txt", "w") as f:  # one file per rank: stdo
     print(f"size={size} greedy: " + lm.sample(prompt, beam=1, max_len_b=8), file=f)
     print(f"size={size} beam: " + lm.sample(prompt, beam=3, max_len_b=8), file=f)
     print(f"size={size} sampled: " + lm.sample(prompt, beam=1, sampling=True, sampling_topk=20, max_len_b=8), file=f)
+with open(f"{sys.argv[3]}/threads{rank}.txt", "w") as f:
+    print(f"loaded: {gloo_threads()}", file=f)
 """
 
 

@@ -43,6 +43,7 @@ processes, and gathering on CPU.
   with two or more data-parallel groups on CPU).
 """
 
+import atexit
 import contextlib
 import functools
 import os
@@ -163,7 +164,23 @@ def main_in_its_layout(main, cfg, **kwargs):
     if getattr(distributed, "ddp_backend", None) == "fully_sharded" and not dist.is_initialized():
         parallel_state.start_single_rank_world()
     parallel_state.ensure_model_parallel(*launch_sizes(cfg))
+    _forget_fairseqs_global_group_at_exit()
     return main(cfg, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)  # registered once per process
+def _forget_fairseqs_global_group_at_exit() -> None:
+    """fairseq keeps a group of the whole world on a function attribute
+    (``distributed.utils.get_global_group._global_group``) to the end; at a
+    normal exit it goes before the process's other groups are released
+    (:func:`~fairseq_megatron.parallel.parallel_state.release_process_groups`,
+    registered earlier, so it runs after this)."""
+
+    def forget() -> None:
+        if getattr(sys, "last_value", None) is None:
+            vars(distributed_utils.get_global_group).pop("_global_group", None)
+
+    atexit.register(forget)
 
 
 def _distributed_main_with_the_plugin(index: int, main, cfg, kwargs, exit_with_the_launcher: bool = False) -> None:

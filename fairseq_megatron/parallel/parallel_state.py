@@ -40,7 +40,6 @@ The getters keep Megatron-LM's and fairscale's names
 import atexit
 import copy
 import datetime
-import gc
 import sys
 from dataclasses import dataclass
 from typing import List, Optional
@@ -287,10 +286,13 @@ def release_process_groups() -> None:
         for rank_group in (state.tensor, state.context, state.data, state.pipeline, state.model,
                            state.embedding, state.data_context):
             rank_group.release()
+        # The mesh holds its groups too, and its flattened meshes (made by _build) refer to it and it to them:
+        # undone here, the mesh goes with the last reference, without a garbage collection (which at exit
+        # would also run other objects' finalizers early, a data loader's 5-second wait on its workers among them).
+        state.mesh._flatten_mapping.clear()
     del state
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    gc.collect()  # the device mesh holds its groups, within reference cycles (a flattened mesh and its root)
 
 
 def model_parallel_is_initialized() -> bool:

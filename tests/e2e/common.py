@@ -21,14 +21,17 @@ MODEL = [
     "--decoder-attention-heads", "4", "--share-decoder-input-output-embed",
     "--sample-break-mode", "none", "--tokens-per-sample", "32",
 ]
-HUB_SCRIPT = """
+# for scripts that report, as they exit, the gloo worker and transport threads left in their process
+GLOO_THREADS = """
 import atexit, os, sys
 
 
 def gloo_threads():
     names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
     return sum(name.startswith(("pt_gloo", "gloo")) for name in names)
+"""
 
+HUB_SCRIPT = GLOO_THREADS + """
 
 def report_at_exit():  # registered before the package's own handler, so it runs after it, as Python finalizes
     with open(f"{sys.argv[3]}/threads{rank}.txt", "a") as f:

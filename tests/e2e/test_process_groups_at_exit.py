@@ -11,19 +11,12 @@ functions keep as a default argument when imported during a run.
 import subprocess
 import sys
 
-from tests.e2e.common import train_args
+from tests.e2e.common import GLOO_THREADS, train_args
 from tests.helpers import ENV
 
 # fairseq-train as a user runs it, with a report registered before anything of fairseq or the plugin is
 # imported: atexit runs handlers last-in first-out, so it sees what is left as Python begins to finalize
-SCRIPT = """
-import atexit, os, sys
-
-
-def gloo_threads():
-    names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
-    return sum(name.startswith(("pt_gloo", "gloo")) for name in names)
-
+SCRIPT = GLOO_THREADS + """
 
 def report(moment):
     with open(os.path.join(OUT, f"threads{os.environ['RANK']}.txt"), "a") as f:

@@ -164,6 +164,9 @@ def placed_like(entries: PerKey, parameters: Dict[str, torch.Tensor]) -> PerKey:
     return {key: place_one(values, parameters[key]) for key, values in entries.items()}
 
 
+_ADVICE = "restore it, or resume with --reset-optimizer to start the optimizer afresh"
+
+
 def read_shards(part: str, shards: int, token: Optional[str]) -> List[dict]:
     """The ``shards`` optimizer shard files of part file ``part`` (its final
     name) of the save ``token``, as memory maps: each under its staged name
@@ -182,23 +185,22 @@ def read_shards(part: str, shards: int, token: Optional[str]) -> List[dict]:
         name = next((n for n in names if os.path.exists(n)), None)
         if name is None:
             raise CheckpointError(f"optimizer shard {path} of {part} is missing (the part was saved with {shards}): "
-                                  f"restore it, or resume with --reset-optimizer to start the optimizer afresh")
-        advice = "restore it, or resume with --reset-optimizer to start the optimizer afresh"
+                                  f"{_ADVICE}")
         if not zipfile.is_zipfile(name):  # empty, cut short, or not a file torch saved
             raise CheckpointError(f"optimizer shard {name} is cut short or not a checkpoint "
-                                  f"({os.path.getsize(name)} bytes): {advice}")
+                                  f"({os.path.getsize(name)} bytes): {_ADVICE}")
         try:
             check_integrity(name)
         except CheckpointError as e:
-            raise CheckpointError(f"optimizer shard {e}: {advice}") from None
+            raise CheckpointError(f"optimizer shard {e}: {_ADVICE}") from None
         try:
             state = torch.load(name, map_location="cpu", mmap=True, weights_only=True)
-        except Exception as e:  # a file cut short, or not a checkpoint
+        except Exception as e:  # a zip archive that does not hold a torch save
             raise CheckpointError(f"cannot read optimizer shard {name}: {str(e).splitlines()[0]}") from None
         if not isinstance(state, dict) or state.get("token") != token or state.get("rank") != rank \
                 or state.get("shards") != shards:
             raise CheckpointError(f"optimizer shard {name} is not rank {rank} of the {shards} shards of the save of "
-                                  f"{part}: a file of another save; resume with --reset-optimizer, or restore it")
+                                  f"{part}: a file of another save; {_ADVICE}")
         found.append(state)
     return found
 

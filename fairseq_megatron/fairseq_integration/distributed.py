@@ -174,13 +174,9 @@ def _forget_fairseqs_global_group_at_exit() -> None:
     (``distributed.utils.get_global_group._global_group``) to the end; at a
     normal exit it goes before the process's other groups are released
     (:func:`~fairseq_megatron.parallel.parallel_state.release_process_groups`,
-    registered earlier, so it runs after this)."""
-
-    def forget() -> None:
-        if getattr(sys, "last_value", None) is None:
-            vars(distributed_utils.get_global_group).pop("_global_group", None)
-
-    atexit.register(forget)
+    registered earlier, so it runs after this). Harmless after an error:
+    nothing is destroyed then, and torch's registry keeps the group."""
+    atexit.register(vars(distributed_utils.get_global_group).pop, "_global_group", None)
 
 
 def _distributed_main_with_the_plugin(index: int, main, cfg, kwargs, exit_with_the_launcher: bool = False) -> None:

@@ -40,6 +40,7 @@ The getters keep Megatron-LM's and fairscale's names
 import atexit
 import copy
 import datetime
+import functools
 import sys
 from dataclasses import dataclass
 from typing import List, Optional
@@ -245,21 +246,15 @@ def destroy_model_parallel() -> None:
     _state = None
 
 
-_release_registered = False
-
-
+@functools.lru_cache(maxsize=None)  # registered once per process, whatever the number of calls
 def release_at_exit() -> None:
-    """Have :func:`release_process_groups` run when this process exits
-    normally (registered once per process, whatever the number of calls)."""
-    global _release_registered
-    if not _release_registered:
-        atexit.register(_release_after_normal_exit)
-        _release_registered = True
+    """Have :func:`release_process_groups` run when this process exits normally."""
+    atexit.register(_release_after_normal_exit)
 
 
 def _release_after_normal_exit() -> None:
     # After an uncaught error, a rank's peers may still wait in a collective: leave the groups to the
-    # process's end, as before (torchtitan destroys its groups after a successful run only, for the same reason).
+    # process's end (torchtitan destroys its groups after a successful run only, for the same reason).
     if getattr(sys, "last_value", None) is None:
         release_process_groups()
 
@@ -273,7 +268,7 @@ def release_process_groups() -> None:
     caller has moved on; if the interpreter is finalizing by then, freeing a
     tensor's Python object from that thread aborts the process ("terminate
     called without an active exception", SIGABRT, after the script's last
-    line; pytorch/pytorch issues 117762 and 190489).
+    line; torch's bug, docs/architecture.md).
     ``torch.distributed.destroy_process_group`` alone does not prevent it:
     it stops no gloo thread while a layer still holds the group, and the
     model's layers hold theirs (through the :class:`RankGroup` objects
@@ -288,7 +283,7 @@ def release_process_groups() -> None:
             rank_group.release()
         # The mesh holds its groups too, and its flattened meshes (made by _build) refer to it and it to them:
         # undone here, the mesh goes with the last reference, without a garbage collection (which at exit
-        # would also run other objects' finalizers early, a data loader's 5-second wait on its workers among them).
+        # would also run other objects' finalizers early, a data loader's timed wait on its workers among them).
         state.mesh._flatten_mapping.clear()
     del state
     if dist.is_available() and dist.is_initialized():

@@ -19,8 +19,8 @@ def test_hub_interface_in_a_world_of_2(trained, tmp_path, model_parallel_size):
 
     At exit, before Python finalizes, no gloo thread is left although the
     script still holds the model: a gloo thread freeing a collective's
-    tensors during finalization aborted the process now and then
-    (SIGABRT after the last line, the test's one flake)."""
+    tensors during finalization aborted the process now and then (SIGABRT
+    after the last line)."""
     path = os.path.join(trained["ckpt"], "checkpoint_last.pt")
     script = str(tmp_path / "hub_script.py")
     out_dir = tmp_path / "hub_out"

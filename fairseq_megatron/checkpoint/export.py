@@ -8,6 +8,7 @@ import re
 from argparse import Namespace
 from typing import Optional
 
+from fairseq_megatron.checkpoint.hf_export import refuse_masked_rows
 from fairseq_megatron.checkpoint.layout import CheckpointError
 from fairseq_megatron.checkpoint.resharding import (
     EMBED_KEYS,
@@ -89,10 +90,13 @@ def export_to_fairseq(input_path: str, output_path: str, vocab_size: Optional[in
     Raises:
         CheckpointError: as :func:`reshard`, or ``vocab_size`` larger than the
             checkpoint's vocabulary.
+        UsageError: masked vocabulary rows among those exported (an
+            import's, :func:`~.hf_export.refuse_masked_rows`).
     """
     parts = prepare_outputs(input_path, output_path, [output_path], parts=parts)
-    model = model_part(parts, 0, 1, check_replicas=True, progress=None)
     rows = parts.padded_vocab_size
+    refuse_masked_rows(model_config(parts.metadata), vocab_size or rows, "--to-fairseq", "fairseq's transformer_lm")
+    model = model_part(parts, 0, 1, check_replicas=True, progress=None)
     if vocab_size is not None:
         if vocab_size > rows:
             raise CheckpointError(f"vocab size {vocab_size} is larger than the checkpoint's {rows} rows")

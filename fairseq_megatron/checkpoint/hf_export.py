@@ -19,8 +19,10 @@ The output directory holds ``config.json``, the weights as safetensors
 ``model.safetensors.index.json`` above ``max_shard_bytes``, as transformers
 writes them), ``generation_config.json`` (bos = decoder start = eos =
 ``</s>``, as fairseq's LMs start from ``</s>``; pad never generated, as in
-fairseq's ``SequenceGenerator``), a short model card ``README.md``, and, given
-the GPT-2 BPE files, a tokenizer (:mod:`.hf_tokenizer`).
+fairseq's ``SequenceGenerator``), a short model card ``README.md``, with
+``--dict`` the ``dict.txt`` it was given (the symbol of each row, which
+``--from-hf`` reads back), and, given the GPT-2 BPE files, a tokenizer
+(:mod:`.hf_tokenizer`).
 
 Memory: the parts are merged one layer at a time (memory-mapped, as
 :mod:`.resharding` reads them) and each shard is written and dropped as soon
@@ -155,6 +157,23 @@ def xglm_config(config, vocab_size: int, dtype: torch.dtype) -> dict:
     }
 
 
+def refuse_masked_rows(config, vocab_size: int, flag: str, target: str) -> None:
+    """Refuse to export a model with masked vocabulary rows
+    (``--masked-vocab-rows``, an import's) among the ``vocab_size`` rows
+    exported: ``target`` has no such mask, and those rows (zero, or a second
+    copy of a row) would take probability.
+
+    Raises:
+        UsageError: as said.
+    """
+    from fairseq_megatron.models.masked_vocab_rows import format_rows, parse_rows
+
+    masked = [row for rows in parse_rows(config_value(config, "masked_vocab_rows")) for row in rows if row < vocab_size]
+    if masked:
+        raise UsageError(f"{flag}: the model never predicts its rows {format_rows(masked)} (--masked-vocab-rows, "
+                         f"the rows an imported model's source lacks), which {target} cannot express")
+
+
 def hf_name(key: str) -> Optional[str]:
     """The XGLMForCausalLM parameter name of our key, or None for a key the
     export drops (fairseq's version marker, the positions' placeholder).
@@ -285,8 +304,8 @@ def export_to_transformers(input_path: str, output_dir: str, dictionary=None, en
 
     Raises:
         UsageError / CheckpointError / FileNotFoundError: missing,
-            truncated or mixed parts; an option XGLM cannot express; a
-            dictionary whose padding index is not 1 or that is not the
+            truncated or mixed parts; an option XGLM cannot express, masked
+            vocabulary rows among those exported; a dictionary whose padding index is not 1 or that is not the
             checkpoint's; bad BPE files; an output directory holding files.
             All before anything is written.
     """
@@ -309,6 +328,7 @@ def export_to_transformers(input_path: str, output_dir: str, dictionary=None, en
     if bool(config_value(config, "share_decoder_input_output_embed", False)) != tied:
         raise CheckpointError(f"{input_path}: the config says the output projection is "
                               f"{'' if tied else 'not '}tied to the embedding, and the weights say otherwise")
+    refuse_masked_rows(config, vocab_size, "--to-hf", "XGLM")
     hf_config = xglm_config(config, vocab_size, DTYPES[dtype] if dtype else torch.float32)
     tokenizer = None
     if encoder_json is not None:
@@ -341,6 +361,8 @@ def export_to_transformers(input_path: str, output_dir: str, dictionary=None, en
         transformers.XGLMConfig(architectures=["XGLMForCausalLM"], **hf_config).save_pretrained(tmp)
         transformers.GenerationConfig(bos_token_id=2, decoder_start_token_id=2, eos_token_id=2, pad_token_id=1,
                                       suppress_tokens=[1]).save_pretrained(tmp)
+        if dictionary is not None:  # what --from-hf reads back: the symbol of each row
+            dictionary.save(os.path.join(tmp, "dict.txt"))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
             _name_the_fast_tokenizer_class(os.path.join(tmp, "tokenizer_config.json"))

@@ -72,12 +72,13 @@ def _arguments(config) -> argparse.Namespace:
     return argparse.Namespace(**config)
 
 
-def partition_dims(config, padded_vocab_size: int) -> PartitionDims:
-    """The split of every state-dict key of the model that checkpoint config
-    ``config`` describes (a ``model_parallel_transformer_lm`` with
-    ``padded_vocab_size`` vocabulary rows), read from the attributes of that
-    model built as one part on the ``meta`` device: its sharded weights are
-    neither drawn nor allocated.
+def model_on_meta(config, padded_vocab_size: int) -> nn.Module:
+    """The model that checkpoint config ``config`` describes (a
+    ``model_parallel_transformer_lm`` with ``padded_vocab_size`` vocabulary
+    rows), built whole as one part with its sharded weights on the ``meta``
+    device: neither drawn nor allocated. Its ``state_dict()`` gives every
+    key, each whole tensor's shape and, through the parameters' attributes,
+    how model parts split it (:func:`partition_dims`).
 
     Raises:
         UsageError: the config describes a model this package cannot build.
@@ -100,10 +101,21 @@ def partition_dims(config, padded_vocab_size: int) -> PartitionDims:
     generator = torch.get_rng_state()  # fairseq's learned positions draw at construction
     try:
         with sharding.initialisation_deferred():
-            model = ModelParallelTransformerLanguageModel._build(args, _Task(), RankGroup())
+            return ModelParallelTransformerLanguageModel._build(args, _Task(), RankGroup())
     finally:
         torch.set_rng_state(generator)
-    return partition_dims_of_model(model)
+
+
+def partition_dims(config, padded_vocab_size: int) -> PartitionDims:
+    """The split of every state-dict key of the model that checkpoint config
+    ``config`` describes (a ``model_parallel_transformer_lm`` with
+    ``padded_vocab_size`` vocabulary rows), read from the attributes of that
+    model built on the ``meta`` device (:func:`model_on_meta`).
+
+    Raises:
+        UsageError: the config describes a model this package cannot build.
+    """
+    return partition_dims_of_model(model_on_meta(config, padded_vocab_size))
 
 
 def key_partition_dim(dims: PartitionDims, key: str) -> Optional[int]:

@@ -114,6 +114,27 @@ def existing_part_files(path: str) -> list:
         return []
 
 
+def recorded_model_config(path: str):
+    """The model config checkpoint ``path`` records (of its first file, read
+    through a memory map without its tensors), or None where no checkpoint
+    has that name or it is not one of our models'.
+
+    Raises:
+        CheckpointError: the file cannot be read.
+    """
+    from fairseq_megatron.checkpoint.resharding import model_config, read_checkpoint
+
+    try:
+        opened = open_save(path)
+    except FileNotFoundError:
+        return None
+    try:
+        state = read_checkpoint(opened.read_through(opened.every_file[0]))
+    finally:
+        opened.close()
+    return model_config(state) if is_model_parallel_lm(state) else None
+
+
 def is_model_parallel_lm(state: dict) -> bool:
     """Whether checkpoint ``state`` holds one of our architectures."""
     from fairseq_megatron.checkpoint.resharding import config_value, model_config

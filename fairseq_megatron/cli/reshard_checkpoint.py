@@ -6,6 +6,8 @@
         --to-fairseq --dict data-bin/dict.txt
     fairseq-megatron-reshard --input ckpt/checkpoint_best.pt --output hf_model --to-hf \\
         --dict data-bin/dict.txt --encoder-json encoder.json --vocab-bpe vocab.bpe
+    fairseq-megatron-reshard --from-hf opt-125m --output opt_mp2/model.pt --model-parallel-size 2 \\
+        --encoder-json encoder.json --vocab-bpe vocab.bpe
 
 ``--input`` is what you would pass to fairseq as ``--path``: the part files
 ``<name>-model_part-K.pt`` (or, of a pipelined checkpoint,
@@ -15,8 +17,13 @@ output is one file, otherwise ``<output>-model_part-K.pt``; with
 with ``--keep-optimizer`` the optimizer state too, so that training resumes
 at the new size with ``--restore-file <output>``; without it, resume with
 ``--reset-optimizer``. The EMA weights of ``fairseq-train --store-ema`` are
-resharded with the weights. Only use checkpoints you trust: the files are fully
-unpickled.
+resharded with the weights. Checkpoint files are read without running code
+(torch's weights-only unpickler).
+
+``--from-hf DIR`` imports a transformers checkpoint directory (GPT-2, OPT,
+XGLM) instead of ``--input``: our parts at ``--model-parallel-size`` and
+``--pipeline-model-parallel-size``, with ``dict.txt`` beside them
+(:mod:`fairseq_megatron.checkpoint.hf_import`).
 """
 
 import argparse
@@ -85,9 +92,16 @@ def export_vocabulary_size(parts: PartFiles, dict_path: Optional[str]) -> Option
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", required=True, help="checkpoint path as given to fairseq --path")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", help="checkpoint path as given to fairseq --path")
+    source.add_argument("--from-hf", metavar="DIR",
+                        help="import a transformers checkpoint directory (GPT2LMHeadModel, OPTForCausalLM, "
+                             "XGLMForCausalLM: config.json and safetensors or pytorch_model.bin) as our checkpoint "
+                             "at --model-parallel-size (and --pipeline-model-parallel-size), writing dict.txt "
+                             "beside it; needs the [hf] extra")
     parser.add_argument("--output", required=True, help="output .pt path; part suffixes are added for size > 1")
-    parser.add_argument("--model-parallel-size", type=int, help="new model-parallel size")
+    parser.add_argument("--model-parallel-size", type=int, metavar="T",
+                        help="new model-parallel size (required, except with --to-fairseq and --to-hf)")
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="P",
                         help="new number of pipeline stages (default 1: one file per model part)")
     parser.add_argument("--to-fairseq", action="store_true",
@@ -98,10 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write --output as a directory for transformers' XGLMForCausalLM (safetensors, "
                              "config, generation config, model card; needs the [hf] extra)")
     parser.add_argument("--encoder-json", help="with --to-hf and --dict: GPT-2's encoder.json, to write a tokenizer "
-                                               "onto the dictionary's ids")
-    parser.add_argument("--vocab-bpe", help="with --to-hf and --dict: GPT-2's vocab.bpe (merges)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="with --to-hf: the weights' dtype (default: the "
-                                                                "checkpoint's)")
+                                               "onto the dictionary's ids; with --from-hf: to write the model's "
+                                               "tokens as GPT-2 BPE ids in dict.txt (needed for OPT)")
+    parser.add_argument("--vocab-bpe", help="with --encoder-json: GPT-2's vocab.bpe (merges); --from-hf checks them "
+                                            "against the model's tokenizer")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="with --to-hf or --from-hf: the weights' dtype "
+                                                                "(default: the checkpoint's)")
     parser.add_argument("--max-shard-size", type=float, metavar="GB",
                         help=f"with --to-hf: the largest safetensors file (default {MAX_SHARD_BYTES / 1e9:g}); the "
                              f"export holds about one shard and one layer in memory")
@@ -117,6 +133,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     try:
+        if args.from_hf is not None:
+            return _import(args)
         if args.keep_optimizer and args.to_fairseq:
             raise UsageError("--keep-optimizer and --to-fairseq exclude each other: the export "
                              "is for evaluation and holds no training state")
@@ -130,7 +148,7 @@ def main(argv=None) -> int:
         hf_only = [f"--{name.replace('_', '-')}" for name in ("encoder_json", "vocab_bpe", "dtype", "max_shard_size")
                    if getattr(args, name) is not None]
         if hf_only and not args.to_hf:
-            raise UsageError(f"{' '.join(hf_only)}: read only with --to-hf")
+            raise UsageError(f"{' '.join(hf_only)}: read only with --to-hf or --from-hf")
         if args.pipeline_model_parallel_size < 1:
             raise UsageError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: the number of "
                              f"pipeline stages is at least 1")
@@ -173,6 +191,29 @@ def main(argv=None) -> int:
     if args.keep_optimizer:  # fairseq-train pads the dictionary for the new size unless told
         print(f"train on with: fairseq-train ... --model-parallel-size {args.model_parallel_size} "
               f"--restore-file {args.output} --padded-vocab-size {parts.padded_vocab_size}", file=sys.stderr)
+    return 0
+
+
+def _import(args) -> int:
+    """``--from-hf``: the checks of the flags, then :func:`~fairseq_megatron.checkpoint.hf_import.import_from_transformers`."""
+    from fairseq_megatron.checkpoint.hf_import import Import
+
+    others = [flag for flag, given in (("--to-fairseq", args.to_fairseq), ("--to-hf", args.to_hf),
+                                       ("--keep-optimizer", args.keep_optimizer), ("--dict", args.dict is not None),
+                                       ("--max-shard-size", args.max_shard_size is not None)) if given]
+    if others:
+        raise UsageError(f"--from-hf writes our checkpoint from a transformers one: {' '.join(others)} cannot apply")
+    if args.model_parallel_size is None or args.model_parallel_size < 1:
+        raise UsageError("--from-hf needs --model-parallel-size T (T >= 1): the model-parallel size to write")
+    if args.pipeline_model_parallel_size < 1:
+        raise UsageError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: the number of "
+                         f"pipeline stages is at least 1")
+    source = Import(args.from_hf, args.model_parallel_size, args.pipeline_model_parallel_size, args.encoder_json,
+                    args.vocab_bpe, args.dtype)
+    with tqdm(total=source.groups() * args.model_parallel_size, desc="importing", unit="layer", disable=None) as bar:
+        written = source.write(args.output, verify=args.verify, progress=bar.update)
+    for path in written:
+        print(path)
     return 0
 
 

@@ -55,6 +55,7 @@ import copy
 import logging
 import os
 import traceback
+from typing import Optional
 
 from fairseq import checkpoint_utils
 from fairseq.file_io import PathManager
@@ -177,6 +178,19 @@ def _named_checkpoint(cfg, last: str):
     if getattr(cfg, "continue_once", None) is not None:
         return "--continue-once", cfg.continue_once
     return "--finetune-from-model", cfg.finetune_from_model
+
+
+def starting_checkpoint(cfg) -> Optional[str]:
+    """The checkpoint fairseq-train's ``cfg.checkpoint`` makes it start from
+    (``fairseq/checkpoint_utils.py``, ``load_checkpoint``): the save dir's
+    ``checkpoint_last.pt`` where it exists (in parts or whole), else the one
+    ``--restore-file``, ``--continue-once`` or ``--finetune-from-model``
+    names; None where the run starts from scratch."""
+    last = os.path.join(cfg.save_dir, "checkpoint_last.pt")
+    if cfg.restore_file == "checkpoint_last.pt" and (existing_part_files(last) or PathManager.exists(last)):
+        return last
+    _, named = _named_checkpoint(cfg, last)
+    return named if named is not None and existing_part_files(named) else None
 
 
 def load_checkpoint(cfg, trainer, **passthrough_args):

@@ -73,6 +73,7 @@ def main(cfg, **kwargs):
     if not is_model_parallel_arch(arch):
         return run(cfg, **kwargs)
     check_directory_can_be_made(cfg.checkpoint.save_dir, f"--save-dir {cfg.checkpoint.save_dir}")
+    take_the_architecture_of_the_checkpoint(cfg, arch)
     layout = parallel_state.get_parallel_layout()  # built from cfg at launch, its sizes checked there
     check_fully_sharded(cfg.distributed_training, cfg.common, cfg.ema, cfg.model, cfg.checkpoint)
     check_pipeline_data_parallel_backend(cfg.distributed_training.ddp_backend, layout.pipeline, layout.data,
@@ -90,6 +91,30 @@ def main(cfg, **kwargs):
     except BaseException:
         remove_while_empty(made)
         raise
+
+
+def take_the_architecture_of_the_checkpoint(cfg, arch: str) -> None:
+    """The model options of the checkpoint the run starts from (an imported
+    model's, say), where the command line leaves them at ``arch``'s
+    defaults (:func:`~fairseq_megatron.models.arguments.architecture_from_checkpoint`):
+    fairseq builds the model from the command line alone, before it loads
+    the checkpoint, and failed on any difference ("Cannot load model
+    parameters ... ensure that the architectures match").
+
+    Raises:
+        UsageError: an option given that differs from the checkpoint's.
+    """
+    from fairseq_megatron.checkpoint.loading import recorded_model_config
+    from fairseq_megatron.fairseq_integration.checkpoint_utils import starting_checkpoint
+    from fairseq_megatron.models.arguments import architecture_from_checkpoint
+
+    path = starting_checkpoint(cfg.checkpoint)
+    recorded = recorded_model_config(path) if path is not None else None
+    if recorded is None:
+        return
+    taken = architecture_from_checkpoint(cfg.model, recorded, arch, path)
+    if taken:
+        logger.info(f"the model's options from {path}: {' '.join(taken)}")
 
 
 def train(cfg, trainer, task, epoch_itr):

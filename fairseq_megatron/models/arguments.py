@@ -81,7 +81,72 @@ MODEL_ARGUMENTS = (
              "model-parallel size). Checkpoints record it; training on from a checkpoint "
              "resharded to another model-parallel size needs the recorded value when the "
              "default at the new size differs (fairseq-train says so)")),
+    ("--masked-vocab-rows", dict(
+        metavar="ROWS",
+        help="vocabulary rows whose logits are minus infinity in every pass (rows A to B and C: "
+             "'A-B,C'): the rows of a model imported from transformers that its source lacks "
+             "(fairseq's special symbols, a duplicate row, the padding), so that the softmax is over "
+             "exactly the source's rows. fairseq-megatron-reshard --from-hf records it in the checkpoint")),
 )
+
+
+# The options that decide the shapes and the function of the weights: a
+# checkpoint's record of them describes its model whatever the command line
+# of a run that starts from it says (:func:`architecture_from_checkpoint`).
+# ``max_target_positions`` joins them for learned positions, whose rows it counts.
+ARCHITECTURE_OPTIONS = (
+    "decoder_layers", "decoder_embed_dim", "decoder_ffn_embed_dim", "decoder_attention_heads", "decoder_input_dim",
+    "decoder_output_dim", "decoder_learned_pos", "no_token_positional_embeddings", "activation_fn",
+    "no_scale_embedding", "share_decoder_input_output_embed", "no_decoder_final_norm", "layernorm_embedding",
+    "padded_vocab_size", "masked_vocab_rows",
+)
+
+
+def architecture_defaults(arch: str) -> argparse.Namespace:
+    """The model options of architecture ``arch`` (ours) when the command
+    line gives none of them: the architecture function's, then the parser's
+    (whose model options fairseq adds with no default,
+    ``fairseq/options.py``, ``parse_args_and_arch``)."""
+    from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
+
+    parser = argparse.ArgumentParser(allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    ARCH_MODEL_REGISTRY[arch].add_args(parser)
+    args = parser.parse_args([])
+    ARCH_CONFIG_REGISTRY[arch](args)
+    return args
+
+
+def architecture_from_checkpoint(model_cfg, recorded, arch: str, checkpoint: str) -> list:
+    """Set in ``model_cfg`` (a run's model options) each of
+    :data:`ARCHITECTURE_OPTIONS` that checkpoint ``checkpoint`` records
+    (``recorded``: its model config) and the run left at the architecture's
+    default: a model imported from transformers, or trained at another
+    model-parallel size, then starts with no further flag. Returns the
+    ``--flag value`` texts of what was taken.
+
+    Raises:
+        UsageError: an option the run gives (a value other than the
+            architecture's default) that differs from the checkpoint's.
+    """
+    from fairseq_megatron.errors import UsageError
+
+    def value(config, name):
+        return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+
+    defaults = architecture_defaults(arch)
+    names = list(ARCHITECTURE_OPTIONS) + (["max_target_positions"] if value(recorded, "decoder_learned_pos") else [])
+    taken = []
+    for name in names:
+        theirs, ours = value(recorded, name), value(model_cfg, name)
+        if theirs is None or ours == theirs:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if ours is not None and ours != getattr(defaults, name, None):
+            raise UsageError(f"{flag} {ours}: {checkpoint} holds a model with {flag} {theirs}; drop {flag} (a run "
+                             f"that starts from a checkpoint takes its model's options from it)")
+        setattr(model_cfg, name, theirs)
+        taken.append(flag if theirs is True else f"{flag} {theirs}")
+    return taken
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

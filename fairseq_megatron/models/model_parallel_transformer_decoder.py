@@ -13,6 +13,12 @@ embed the whole sequence, padded to a multiple of ``2C``, and keep this
 rank's ``T / C`` positions (``embed``); the layers run on them, with a mask
 by global position (``buffered_future_mask``), and the output holds their
 logits ``(B, T / C, V)``, whose targets are ``local_targets``.
+
+Masked vocabulary rows (``--masked-vocab-rows``, an imported model's rows
+that its source lacks): the output layer sets their logits to minus
+infinity; each rank keeps the mask of its vocabulary shard as the
+non-persistent buffer ``masked_vocab_rows``, ``(V / N,)`` bool, or None
+(:mod:`fairseq_megatron.models.masked_vocab_rows`).
 """
 
 import functools
@@ -35,6 +41,7 @@ from fairseq_megatron.modules import (
 from fairseq_megatron.modules import sharding
 from fairseq_megatron.modules.forward_wrappers import rewrap
 from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
+from fairseq_megatron.models.masked_vocab_rows import local_mask_of, mask_logits_
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.modules.padding import has_padding, mark_padding
 
@@ -54,7 +61,7 @@ class ModelParallelTransformerDecoder(KeepsParameterAttributes, TransformerDecod
     ``tensor_parallel``: the group its layers split over (default: this
     rank's; a :class:`~fairseq_megatron.parallel.parallel_state.RankGroup`
     builds rank ``k`` of ``T`` without process groups).
-    Context parallelism: see the module docstring.
+    Context parallelism and masked vocabulary rows: see the module docstring.
     """
 
     context_split = None
@@ -70,6 +77,7 @@ class ModelParallelTransformerDecoder(KeepsParameterAttributes, TransformerDecod
         if self.share_input_output_embed:
             self.embed_tokens.set_parameter_attributes("weight", shared_embedding=True)
         self.tag_parameters()  # fairseq's layer norms and positions: replicated
+        self.register_buffer("masked_vocab_rows", local_mask_of(args, len(dictionary), self.tensor_parallel), False)
 
     def tag_parameters(self) -> None:
         """Tie the output projection to the embedding again where torch made a
@@ -256,7 +264,7 @@ class ModelParallelTransformerDecoder(KeepsParameterAttributes, TransformerDecod
         ``(B, T, V / N)`` shard with ``gather_logits=False``."""
         group = self.tensor_parallel.group
         x = copy_to_tensor_model_parallel_region(features, group)
-        logits = F.linear(x, self.output_projection.weight)
+        logits = mask_logits_(F.linear(x, self.output_projection.weight), self.masked_vocab_rows)
         if gather_logits:
             logits = gather_from_tensor_model_parallel_region(logits, group)
         return logits

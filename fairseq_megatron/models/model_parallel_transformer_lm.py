@@ -17,6 +17,7 @@ from fairseq.utils import safe_getattr
 
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.models.arguments import add_model_arguments
+from fairseq_megatron.models.masked_vocab_rows import parse_rows
 from fairseq_megatron.models.model_parallel_transformer_decoder import ModelParallelTransformerDecoder
 from fairseq_megatron.models.options import (
     check_dictionary_size,
@@ -120,6 +121,7 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         args.padded_vocab_size = pad_dictionary(dictionary, size, recorded)
         if pad_dictionary(task.target_dictionary, size, args.padded_vocab_size) != args.padded_vocab_size:
             raise ValueError("source and target dictionaries differ in size")
+        parse_rows(safe_getattr(args, "masked_vocab_rows", None), args.padded_vocab_size)  # refuses rows beyond
 
         embed_tokens = VocabParallelEmbedding(len(dictionary), args.decoder_input_dim, dictionary.pad(),
                                               group=tensor_parallel)

@@ -91,8 +91,8 @@ class Import:
         encoder, merges = read_gpt2_files(encoder_json, vocab_bpe) if encoder_json else (None, None)
         self.vocabulary: VocabularyPlan = self.architecture.vocabulary(
             padding_multiple(heads, ffn), encoder, encoder_json, merges, vocab_bpe)
-        self.args = model_arguments(self.options, self.vocabulary, tensor)
-        stage_layouts(self.args, stages)  # refuses stages that do not divide the layers
+        stage_layouts(Namespace(**self.options), stages)  # refuses stages that do not divide the layers
+        self.args = model_arguments(self.options, self.vocabulary, tensor, stages)
         self.template = model_on_meta(self.args, self.vocabulary.padded_vocab_size)
         self.shapes = {k: tuple(v.shape) for k, v in self.template.state_dict().items()}
         self.dims = partition_dims_of_model(self.template)
@@ -295,11 +295,12 @@ def _hydra_quietly():
         yield
 
 
-def model_arguments(options: dict, vocabulary: VocabularyPlan, tensor: int) -> Namespace:
+def model_arguments(options: dict, vocabulary: VocabularyPlan, tensor: int, stages: int = 1) -> Namespace:
     """Our model's arguments as fairseq-train parses them for ``options``
-    (:meth:`~.hf_architectures.Architecture.options`), ``vocabulary`` and
-    model-parallel size ``tensor``; the model's own checks run on them
-    (``transformer_lm_megatron``'s architecture function).
+    (:meth:`~.hf_architectures.Architecture.options`), ``vocabulary``,
+    model-parallel size ``tensor`` and ``stages`` pipeline stages (with one
+    micro-batch per stage, the fewest the schedule takes); the model's own
+    checks run on them (``transformer_lm_megatron``'s architecture function).
 
     Raises:
         UsageError: what those checks refuse.
@@ -312,6 +313,7 @@ def model_arguments(options: dict, vocabulary: VocabularyPlan, tensor: int) -> N
     flags = ["--task", "language_modeling", "--arch", "transformer_lm_megatron",
              "--criterion", "vocab_parallel_cross_entropy", "--sample-break-mode", "none",
              "--tokens-per-sample", positions, "--model-parallel-size", str(tensor),
+             "--pipeline-model-parallel-size", str(stages), "--update-freq", str(stages),
              "--padded-vocab-size", str(vocabulary.padded_vocab_size)]
     for name, value in options.items():
         flag = "--" + name.replace("_", "-")

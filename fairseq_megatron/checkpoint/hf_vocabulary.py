@@ -41,8 +41,11 @@ from fairseq_megatron.checkpoint.hf_tokenizer import SPECIAL_SYMBOLS
 from fairseq_megatron.checkpoint.layout import CheckpointError
 from fairseq_megatron.errors import UsageError
 
-# fairseq's names for padding symbols (Dictionary.pad_to_multiple_), as RoBERTa's and OPT's vocabularies hold them
-_PADDING_SYMBOL = re.compile(r"madeupword\d+")
+# Symbols that stand for themselves in dict.txt: fairseq's padding symbols
+# (Dictionary.pad_to_multiple_) and special symbols in angle brackets (``<mask>``),
+# as RoBERTa's and OPT's vocabularies hold them. GPT-2's BPE never makes one
+# of them from text (it splits "<mask>" into "<", "mask", ">").
+_OWN_SYMBOL = re.compile(r"madeupword\d+|<[^\s<>]+>")
 
 
 @dataclass
@@ -179,9 +182,10 @@ def gpt2_symbols(tokenizer: TokenizerVocabulary, encoder: Dict[str, int], encode
                  where: str) -> List[str]:
     """The ``dict.txt`` symbols of ``tokenizer``'s pieces from id ``first``
     on: each piece's GPT-2 BPE id in ``encoder`` (GPT-2's ``encoder.json``,
-    read from ``encoder_json``); an added or special token the encoder
-    lacks (``<mask>``) and fairseq's padding symbols (``madeupword0000``)
-    stand as themselves. ``where``: the tokenizer's directory, for messages.
+    read from ``encoder_json``); the tokenizer's added or special tokens the
+    encoder lacks, special symbols (``<mask>``) and fairseq's padding symbols
+    (``madeupword0000``) stand as themselves (:data:`_OWN_SYMBOL`).
+    ``where``: the tokenizer's directory, for messages.
 
     Raises:
         UsageError: a piece the encoder lacks, a symbol fairseq's
@@ -191,7 +195,7 @@ def gpt2_symbols(tokenizer: TokenizerVocabulary, encoder: Dict[str, int], encode
     for i, piece in enumerate(tokenizer.pieces[first:], start=first):
         if piece in encoder:
             symbol = str(encoder[piece])
-        elif piece in tokenizer.added or _PADDING_SYMBOL.fullmatch(piece):
+        elif piece in tokenizer.added or _OWN_SYMBOL.fullmatch(piece):
             symbol = piece
             if not symbol or any(c.isspace() for c in symbol):
                 raise UsageError(f"{where}'s token {piece!r} (id {i}) holds whitespace, which a fairseq dict.txt "

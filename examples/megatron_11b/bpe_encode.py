@@ -152,7 +152,7 @@ def encode_files(bpe: GPT2BPE, inputs: Sequence[str], outputs: Sequence[str], ke
             "seconds": seconds, "mb_per_s": n_bytes / 1e6 / max(seconds, 1e-9)}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--encoder-json", required=True)
     parser.add_argument("--vocab-bpe", required=True)
@@ -161,6 +161,11 @@ def main(argv=None) -> int:
     parser.add_argument("--keep-empty", action="store_true", help="keep empty lines")
     parser.add_argument("--workers", type=int, default=1,
                         help="encoding threads (tiktoken's batch threads; one thread is fastest for small files)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if len(args.inputs) != len(args.outputs):
         print("error: --inputs and --outputs need the same number of files", file=sys.stderr)

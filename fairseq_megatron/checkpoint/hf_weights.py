@@ -6,9 +6,11 @@ transformers saves a model as ``model.safetensors``, or as shards
 :class:`SourceWeights` opens every file once, checks it before any tensor
 is read (a file the index names that is missing, a truncated file, a
 tensor the index places in a file that lacks it), and reads each tensor
-when asked: safetensors maps the file and copies only that tensor;
-``pytorch_model.bin`` is read through torch's weights-only unpickler
-(:mod:`fairseq_megatron.checkpoint.safe_loading`), memory-mapped, never run.
+when asked: safetensors maps the file, copies only that tensor and unmaps it
+again (a map held open would keep every page read in the process's memory,
+the whole source by the end); ``pytorch_model.bin`` is read through torch's
+weights-only unpickler (:mod:`fairseq_megatron.checkpoint.safe_loading`),
+memory-mapped, never run.
 """
 
 import json
@@ -37,7 +39,7 @@ class SourceWeights:
 
     def __init__(self, directory: str):
         self.directory = directory
-        self._files: Dict[str, object] = {}  # file name -> open safetensors handle, or a memory-mapped state dict
+        self._files: Dict[str, object] = {}  # file name -> {tensor: shape} (safetensors) or a memory-mapped state dict
         self._where: Dict[str, str] = {}  # tensor name -> file name
         self._index_path, index, single = self._find()
         for name in sorted(set(index.values())) if index else [single]:
@@ -79,6 +81,8 @@ class SourceWeights:
                               f"{PYTORCH}, {PYTORCH_INDEX}")
 
     def _open(self, name: str):
+        """A safetensors file's ``{tensor: shape}`` (its header, checked
+        whole), or a ``.bin`` file's state dict, memory-mapped."""
         path = self._path(name)
         if name.endswith(".safetensors"):
             try:
@@ -87,7 +91,8 @@ class SourceWeights:
                 raise UsageError(f"{path} needs safetensors to be read: pip install 'fairseq_megatron[hf]'") from None
 
             try:
-                return safe_open(path, framework="pt")
+                with safe_open(path, framework="pt") as f:
+                    return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
             except Exception as e:  # safetensors' SafetensorError: truncated, not safetensors
                 raise CheckpointError(f"cannot read {path}: {e}") from None
         from fairseq_megatron.checkpoint import safe_loading
@@ -104,8 +109,7 @@ class SourceWeights:
         return state
 
     def _keys(self, name: str) -> List[str]:
-        handle = self._files[name]
-        return list(handle.keys())
+        return list(self._files[name].keys())
 
     def names(self) -> List[str]:
         """Every tensor's name."""
@@ -116,12 +120,15 @@ class SourceWeights:
 
     def shape(self, tensor: str) -> Tuple[int, ...]:
         """The tensor's shape, read from the file's header (safetensors) or map."""
-        handle = self._files[self._where[tensor]]
-        if isinstance(handle, dict):
-            return tuple(handle[tensor].shape)
-        return tuple(handle.get_slice(tensor).get_shape())
+        found = self._files[self._where[tensor]][tensor]
+        return tuple(found.shape) if torch.is_tensor(found) else found
 
     def get(self, tensor: str) -> torch.Tensor:
         """The tensor, read now (its own memory, or a map of a ``.bin`` file)."""
-        handle = self._files[self._where[tensor]]
-        return handle[tensor] if isinstance(handle, dict) else handle.get_tensor(tensor)
+        name = self._where[tensor]
+        if not name.endswith(".safetensors"):
+            return self._files[name][tensor]
+        from safetensors import safe_open
+
+        with safe_open(self._path(name), framework="pt") as f:
+            return f.get_tensor(tensor)

@@ -61,7 +61,7 @@ def partition_dims_of_model(model: nn.Module) -> PartitionDims:
             for key, value in model.state_dict(keep_vars=True).items()}
 
 
-def _arguments(config) -> argparse.Namespace:
+def arguments_of(config) -> argparse.Namespace:
     """A checkpoint's model config (argparse Namespace, dict or omegaconf) as a new Namespace."""
     if isinstance(config, argparse.Namespace):
         return argparse.Namespace(**vars(config))
@@ -89,7 +89,7 @@ def model_on_meta(config, padded_vocab_size: int) -> nn.Module:
     from fairseq_megatron.modules import sharding
     from fairseq_megatron.parallel.parallel_state import RankGroup
 
-    args = _arguments(config)
+    args = arguments_of(config)
     args.model_parallel_size, args.pipeline_model_parallel_size = 1, 1
     args.padded_vocab_size, args.dictionary_size = padded_vocab_size, None
 

@@ -116,13 +116,16 @@ def existing_part_files(path: str) -> list:
 
 def recorded_model_config(path: str):
     """The model config checkpoint ``path`` records (of its first file, read
-    through a memory map without its tensors), or None where no checkpoint
-    has that name or it is not one of our models'.
+    through a memory map without its tensors), as a new Namespace, with the
+    padded vocabulary counted from the embedding's rows where the config
+    does not record it (the published Megatron-11b's); None where no
+    checkpoint has that name or it is not one of our models'.
 
     Raises:
         CheckpointError: the file cannot be read.
     """
-    from fairseq_megatron.checkpoint.resharding import model_config, read_checkpoint
+    from fairseq_megatron.checkpoint.layout import arguments_of
+    from fairseq_megatron.checkpoint.resharding import EMBED_KEYS, model_config, read_checkpoint
 
     try:
         opened = open_save(path)
@@ -132,7 +135,13 @@ def recorded_model_config(path: str):
         state = read_checkpoint(opened.read_through(opened.every_file[0]))
     finally:
         opened.close()
-    return model_config(state) if is_model_parallel_lm(state) else None
+    if not is_model_parallel_lm(state):
+        return None
+    config = arguments_of(model_config(state))
+    embedding = state["model"].get(EMBED_KEYS[0])
+    if getattr(config, "padded_vocab_size", None) is None and embedding is not None:
+        config.padded_vocab_size = embedding.size(0) * len(opened.files)
+    return config
 
 
 def is_model_parallel_lm(state: dict) -> bool:

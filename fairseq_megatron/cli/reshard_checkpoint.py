@@ -188,9 +188,9 @@ def main(argv=None) -> int:
         return 1
     for path in written:
         print(path)
-    if args.keep_optimizer:  # fairseq-train pads the dictionary for the new size unless told
+    if args.keep_optimizer:  # fairseq-train takes the padded vocabulary and the model's options from it
         print(f"train on with: fairseq-train ... --model-parallel-size {args.model_parallel_size} "
-              f"--restore-file {args.output} --padded-vocab-size {parts.padded_vocab_size}", file=sys.stderr)
+              f"--restore-file {args.output}", file=sys.stderr)
     return 0
 
 

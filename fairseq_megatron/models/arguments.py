@@ -78,9 +78,8 @@ MODEL_ARGUMENTS = (
         type=int, metavar="N",
         help="rows of the vocab-parallel embedding and softmax: the dictionary padded with "
              "madeupword symbols (default: its size rounded up to a multiple of 8 x the "
-             "model-parallel size). Checkpoints record it; training on from a checkpoint "
-             "resharded to another model-parallel size needs the recorded value when the "
-             "default at the new size differs (fairseq-train says so)")),
+             "model-parallel size). Checkpoints record it, and fairseq-train takes it from the "
+             "checkpoint it starts from")),
     ("--masked-vocab-rows", dict(
         metavar="ROWS",
         help="vocabulary rows whose logits are minus infinity in every pass (rows A to B and C: "

@@ -57,10 +57,15 @@ ALL_COMMANDS = [(path, command) for path in DOCUMENTS for command in shell_comma
 
 
 def load_script(relative_path):
-    spec = importlib.util.spec_from_file_location(os.path.basename(relative_path)[:-3],
-                                                  os.path.join(ROOT, relative_path))
+    """The script's module, its folder first on the path as when Python runs it (for the modules beside it)."""
+    path = os.path.join(ROOT, relative_path)
+    spec = importlib.util.spec_from_file_location(os.path.basename(relative_path)[:-3], path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, os.path.dirname(path))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(os.path.dirname(path))
     return module
 
 
@@ -132,6 +137,8 @@ def check(words):
         check(argv[tool:])
     elif program in FAIRSEQ_PARSERS:
         check_fairseq_tool(program, argv)
+    elif program == "fairseq-preprocess":
+        parse_strictly(options.get_preprocessing_parser(), argv)
     elif program == "fairseq-megatron-reshard":
         from fairseq_megatron.cli.reshard_checkpoint import build_parser
 

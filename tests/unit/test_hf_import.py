@@ -218,3 +218,31 @@ def test_bad_input_is_one_line_and_writes_nothing(sources, tmp_path, capsys):
     # an output directory whose dict.txt is another vocabulary's
     (out / "dict.txt").write_text("hello 1\n")
     assert "holds another vocabulary" in refused(gpt2)
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch ran",))
+
+
+def test_pytorch_model_bin_is_read_without_running_code(sources, tmp_path, capsys):
+    """transformers' older ``pytorch_model.bin`` imports as its safetensors
+    do, bitwise, read with the weights-only unpickler: a file that would run
+    code is one line, and nothing ran."""
+    from safetensors.torch import load_file
+
+    binary = _copy(sources, "gpt2", tmp_path / "bin")
+    weights = load_file(os.path.join(binary, "model.safetensors"))
+    os.remove(os.path.join(binary, "model.safetensors"))
+    torch.save(weights, os.path.join(binary, "pytorch_model.bin"))
+    import_from_transformers(sources["gpt2"], str(tmp_path / "a" / "model.pt"), 2)
+    import_from_transformers(binary, str(tmp_path / "b" / "model.pt"), 2)
+    for part in (0, 1):
+        a, b = (safe_loading.load(str(tmp_path / d / f"model-model_part-{part}.pt"))["model"] for d in "ab")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    torch.save({**weights, "payload": _RunsCode()}, os.path.join(binary, "pytorch_model.bin"))
+    rc = reshard_checkpoint.main(["--from-hf", binary, "--output", str(tmp_path / "c" / "model.pt"),
+                                  "--model-parallel-size", "1"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and len(err.splitlines()) == 1 and "pytorch_model.bin" in err, err
+    assert not os.path.exists("ran") and not (tmp_path / "c").exists()

@@ -243,10 +243,11 @@ def resharded_state(path: str, opened: OpenedSave, arg_overrides=None, with_ema:
 
 def part_for_evaluation(path: str, arg_overrides=None):
     """This rank's part of our checkpoint ``path`` for an evaluation tool at
-    this run's model-parallel size: ``(opened, state)``, the files of the
-    save (the first of them is the name fairseq checks), and the part's
-    state as fairseq's ``load_checkpoint_to_cpu`` returns it, read or
-    resharded in memory.
+    this run's model-parallel size (and, where the run has pipeline stages,
+    this rank's stage of it): ``(opened, state)``, the files of the save
+    (the first of them is the name fairseq checks), and the part's state as
+    fairseq's ``load_checkpoint_to_cpu`` returns it, read or resharded in
+    memory.
 
     Raises:
         UsageError / CheckpointError: a part or stage cut short or missing
@@ -257,12 +258,18 @@ def part_for_evaluation(path: str, arg_overrides=None):
     from fairseq_megatron.checkpoint.resharding import check_part_count, read_checkpoint
 
     size = parallel_state.get_tensor_model_parallel_world_size()
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
     opened = open_on_every_rank(path)  # one save, none cut short, before any rank loads a part
     files, first = opened.files, opened.every_file[0]
     if files[0] != path and len(files) == size and (size == 1 or can_be_memory_mapped(opened.source(first))):
         # the last parts or stages lost look like a checkpoint of this size
         check_part_count(path, files, read_checkpoint(opened.read_through(first)), opened.stages)
-    if len(files) != size or opened.stages > 1:
+    if stages > 1 and (len(files), opened.stages) == (size, stages):  # this rank's stage file, as it was saved
+        mine = opened.stage_files(files[parallel_state.get_tensor_model_parallel_rank()])[
+            parallel_state.get_pipeline_model_parallel_rank()]
+        check_integrity_on_every_rank(opened.source(mine), mine)
+        return opened, checkpoint_utils.load_checkpoint_to_cpu(opened.read_through(mine), arg_overrides)
+    if len(files) != size or opened.stages > 1 or stages > 1:
         state = resharded_state(path, opened, arg_overrides)  # checks every part
         if state is None and len(files) != size:
             raise UsageError(f"{path} does not hold a model-parallel transformer LM of fairseq_megatron: it "

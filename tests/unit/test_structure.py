@@ -12,7 +12,7 @@ import fairseq_megatron
 ROOT = os.path.dirname(fairseq_megatron.__file__)
 # Each layer may import the layers below it (lower numbers), never those above.
 LAYERS = {"errors": 0, "files": 0, "parallel": 0, "modules": 1, "models": 2, "training": 3, "checkpoint": 3, "criterions": 3,
-          "fairseq_integration": 4, "hub": 5, "planner": 5, "__init__": 5, "user_dir": 6, "cli": 6}
+          "fairseq_integration": 4, "hub": 5, "planner": 5, "model_copy": 5, "lm_eval_harness": 5, "__init__": 5, "user_dir": 6, "cli": 6}
 
 
 def _modules() -> dict:

@@ -31,6 +31,8 @@ from fairseq_megatron.training.pipeline_schedule import ChunkModule
 from tests.helpers import LMTask, run_distributed
 from tests.support import hf_models
 
+pytestmark = pytest.mark.slow  # seconds each (models built, processes started): left out of make test-fast
+
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)]
 ROWS, LENGTH = 3, 24
 TOLERANCE = 1e-5  # see the module docstring

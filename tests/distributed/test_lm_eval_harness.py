@@ -19,7 +19,9 @@ from fairseq_megatron.parallel import parallel_state
 from tests.helpers import run_distributed
 from tests.support import lm_eval_requests
 
-pytest.importorskip("lm_eval")
+import lm_eval  # noqa: E402,F401  (the [test] extra installs it: these tests fail, not skip, without it)
+
+pytestmark = pytest.mark.slow  # seconds each (models built, processes started): left out of make test-fast
 
 LAYOUTS = [(1, 1, 1, "size1"), (2, 1, 1, "size1"), (1, 2, 1, "t2p2"), (2, 2, 1, "t2p2"), (1, 1, 2, "size1")]
 

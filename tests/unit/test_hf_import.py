@@ -31,6 +31,8 @@ from tests.support.files import file_contents
 from tests.support.partition import expected_partition_dim
 
 require_transformers()
+
+pytestmark = pytest.mark.slow  # seconds each (models built, processes started): left out of make test-fast
 TOLERANCE = 1e-5  # see the module docstring
 
 

@@ -18,7 +18,9 @@ from tests.e2e.common import bpe_encode
 from tests.helpers import fairseq
 from tests.support import hf_models, lm_eval_requests
 
-pytest.importorskip("lm_eval")
+import lm_eval  # noqa: E402,F401  (the [test] extra installs it: these tests fail, not skip, without it)
+
+pytestmark = pytest.mark.slow  # seconds each (models built, processes started): left out of make test-fast
 
 
 @pytest.fixture(scope="module")

@@ -118,6 +118,17 @@ def check_pytest(argv):
         assert re.search(rf"def test_\w*{re.escape(argv[argv.index('-k') + 1])}", text), argv
 
 
+def check_lm_eval(argv):
+    """lm-eval's ``run`` parser takes the flags, and the backend the model arguments."""
+    from lm_eval._cli.harness import HarnessCLI
+
+    from fairseq_megatron.lm_eval_harness import ARGUMENTS
+
+    args = parse_strictly(HarnessCLI()._subparsers.choices["run"], argv)
+    given = set(args.model_args or {})  # lm-eval's parser makes a dict of a=1,b=2
+    assert given and given <= set(ARGUMENTS), given - set(ARGUMENTS)
+
+
 def check(words):
     program, argv = words[0], words[1:]
     if re.match(r"^\w+=\$\(", program):  # VAR=$(python -m module)
@@ -147,6 +158,8 @@ def check(words):
         from fairseq_megatron.cli.plan_parallelism import build_parser
 
         parse_strictly(build_parser(), argv)
+    elif program == "fairseq-megatron-lm-eval":
+        check_lm_eval(argv)
     elif program == "fairseq-megatron-hydra-train":
         check_hydra_overrides(argv)
     elif program == "python" and argv[0].endswith(".py"):

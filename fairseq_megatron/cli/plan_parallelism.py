@@ -210,19 +210,34 @@ def print_table(shape, args, layouts, reason, best, gpu, margin):
     print(f"recommended: {reason if best else 'none'}")
 
 
-def print_dry_run(shape, layout, training):
-    """The dry run of ``layout``'s first (and last) stage beside the planner's prediction (GB)."""
+def dry_runs(shape, layout, training) -> list:
+    """The dry run of ``layout``'s first (and last) stage beside the
+    planner's prediction for it: ``{stage, rank, world_size, measured,
+    predicted}``, the last two by kind (weights, gradients, optimizer,
+    activations; ``peak``: the most held at once, and the predicted total),
+    in bytes."""
     from fairseq_megatron.planner.dry_run import dry_run
 
+    found = []
     for stage in ("first", "last") if layout.pp > 1 else ("first",):
         held = dry_run(shape, layout, training, stage)
         # a CPU's dropout keeps its masks in the activations' dtype (a GPU's in one byte): predicted as they run
         predicted = stage_memory(shape, layout.tp, layout.pp, layout.dp, layout.grad_accumulation, training,
                                  layout.cp, layout.vp, stage, mask_bytes=training.activation_bytes)
-        print(f"dry run of rank {held.rank} of {held.world_size} ({layout.name()}, {stage} stage), GB: "
-              + ", ".join(f"{kind} {value:.2f} (predicted {getattr(predicted, kind) / 1e9:.2f})"
-                          for kind, value in held.by_kind().items())
-              + f"; peak {held.peak / 1e9:.2f} (predicted total {predicted.total / 1e9:.2f})")
+        kinds = ("weights", "gradients", "optimizer", "activations")
+        found.append({"stage": stage, "rank": held.rank, "world_size": held.world_size,
+                      "measured": dict({kind: getattr(held, kind) for kind in kinds}, peak=held.peak),
+                      "predicted": dict({kind: getattr(predicted, kind) for kind in kinds}, peak=predicted.total)})
+    return found
+
+
+def print_dry_runs(runs, layout) -> None:
+    for run in runs:
+        measured, predicted = run["measured"], run["predicted"]
+        print(f"dry run of rank {run['rank']} of {run['world_size']} ({layout.name()}, {run['stage']} stage), GB: "
+              + ", ".join(f"{kind} {measured[kind] / 1e9:.3g} (predicted {predicted[kind] / 1e9:.3g})"
+                          for kind in ("weights", "gradients", "optimizer", "activations"))
+              + f"; peak {measured['peak'] / 1e9:.3g} (predicted total {predicted['peak'] / 1e9:.3g})")
 
 
 def main(argv=None) -> int:
@@ -245,14 +260,27 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     best, reason = recommend(layouts, alternative)
+    runs = None
+    if args.dry_run and best is not None:
+        training = Training(args.micro_batch, args.precision, args.checkpoint_activations or args.offload_activations,
+                            args.sequence_parallel, args.flash_attention, args.offload_activations, args.zero_sharding,
+                            args.optimizer, best.sharding if best.sharding in ("zero2", "zero3") else None)
+        try:
+            runs = dry_runs(shape, best, training)
+        except PlanError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     if args.json:
         print(json.dumps({"parameters": shape.parameters(), "model_tflops_per_step": model_tflops_per_step(
             shape, args.global_batch), "gpu": dataclasses.asdict(gpu), "memory_margin_gb": margin,
             "layouts": [lay.as_dict() for lay in layouts],
             "fully_sharded_layouts": [lay.as_dict() for lay in alternative or []],
-            "recommended": best.as_dict() if best else None, "reason": reason}, indent=2))
+            "recommended": best.as_dict() if best else None, "reason": reason,
+            **({"dry_runs": runs} if runs is not None else {})}, indent=2))
     else:
         print_table(shape, args, layouts, reason, best, gpu, margin)
+        if runs is not None:
+            print_dry_runs(runs, best)
     if args.png:
         try:
             write_png(layouts, args.png)
@@ -265,15 +293,6 @@ def main(argv=None) -> int:
     if best is None:
         print(f"error: {reason}", file=sys.stderr)
         return 1
-    if args.dry_run:
-        training = Training(args.micro_batch, args.precision, args.checkpoint_activations or args.offload_activations,
-                            args.sequence_parallel, args.flash_attention, args.offload_activations, args.zero_sharding,
-                            args.optimizer, best.sharding if best.sharding in ("zero2", "zero3") else None)
-        try:
-            print_dry_run(shape, best, training)
-        except PlanError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
     return 0
 
 

@@ -38,7 +38,8 @@ What cannot run under fake tensors, and what the dry run does instead:
   (``build_fp32_params``) even on a CPU: it is told device 0;
 * the gradient-norm clipping and the loss scaler's overflow test read
   values: the step runs the optimizer without them (they allocate nothing
-  that lasts);
+  that lasts); the trainer's fused AdamW, which it uses on CUDA only, takes
+  fairseq's Adam's place over fp32 weights as on a GPU;
 * attention dropout is set to 0: the fake tensors live on the CPU, whose
   attention with dropout keeps the probabilities (``s^2`` per head), while
   a GPU's flash attention keeps none (the planner counts flash attention).
@@ -223,12 +224,31 @@ def _half(model) -> None:
 
 
 def _fairseq_optimizer(cfg, params, training: Training, optim):
-    """fairseq's optimizer for the flags, as its trainer builds it (``_build_optimizer``)."""
+    """fairseq's optimizer for the flags, as the trainer builds it on a GPU
+    (``MegatronTrainer._build_optimizer``): fairseq's Adam over fp32 weights
+    (fp32 training, ``--bf16-autocast``, and ``--fp16``'s fp32 copy) runs as
+    the fused AdamW (:mod:`fairseq_megatron.training.fused_adam`), which the
+    trainer takes on CUDA only; fairseq's own would allocate the square root
+    of the second moment of every weight at once in its step."""
+    import torch
+    from fairseq.optim.adam import Adam, FairseqAdam
+
+    from fairseq_megatron.training.fused_adam import FairseqFusedAdam
+
+    def fused(optimizer):
+        if type(optimizer) is not FairseqAdam or type(optimizer._optimizer) is not Adam:
+            return optimizer
+        weights = [p for group in optimizer._optimizer.param_groups for p in group["params"]]
+        return FairseqFusedAdam(optimizer) if all(p.dtype == torch.float32 for p in weights) else optimizer
+
     if training.fully_sharded or training.precision in ("fp32", "bf16-autocast"):
-        return optim.build_optimizer(cfg.optimizer, params)
+        return optim.build_optimizer(cfg.optimizer, params) if training.fully_sharded else \
+            fused(optim.build_optimizer(cfg.optimizer, params))
     if training.precision == "memory-efficient-fp16":
         return optim.MemoryEfficientFP16Optimizer.build_optimizer(cfg, params)
-    return optim.FP16Optimizer.build_optimizer(cfg, params)
+    optimizer = optim.FP16Optimizer.build_optimizer(cfg, params)
+    optimizer.fp32_optimizer = fused(optimizer.fp32_optimizer)
+    return optimizer
 
 
 def _torch_optimizers(optimizer) -> list:

@@ -114,17 +114,9 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
     if not 0 <= margin < gpu_memory_gb:
         raise PlanError(f"a memory margin of {margin:g} GB leaves nothing of the GPU's {gpu_memory_gb:g} GB")
     _check_context_parallel(m, gpus, cp)
-    layouts = []
-    for t, p, dp, accumulation in candidate_layouts(m, gpus // cp, gpus_per_node, micro_batch, global_batch, tp, pp,
-                                                    stride=cp):
-        chunks = chunk_counts(m.layers // p, p, accumulation)
-        if vp is not None:
-            chunks = [vp] if vp in chunks else []
-        options = [_layout(m, t, p, dp, accumulation, training, cluster, cp, v, gpu_memory_gb - margin)
-                   for v in chunks]
-        if options:
-            fitting = [lay for lay in options if lay.fits] or options[:1]
-            layouts.append(min(fitting, key=lambda lay: lay.predicted_step_seconds))
+    candidates = candidate_layouts(m, gpus // cp, gpus_per_node, micro_batch, global_batch, tp, pp, stride=cp)
+    layouts = [lay for lay in (_fastest_chunks(m, candidate, training, cluster, cp, vp, gpu_memory_gb - margin)
+                               for candidate in candidates) if lay is not None]
     if not layouts and vp is not None:
         raise PlanError(f"no layout gives its pipeline stages {vp} model chunks each (the interleaved schedule "
                         f"needs the layers of a stage divisible by {vp} and the micro batches per update by the "
@@ -132,6 +124,23 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
     if not layouts:
         raise PlanError(_why_no_layout(m, gpus, gpus_per_node, micro_batch, global_batch))
     return layouts
+
+
+def _fastest_chunks(m: ModelShape, candidate: Tuple[int, int, int, int], training: Training, cluster: Cluster,
+                    cp: int, vp: Optional[int], usable_gb: float) -> Optional[Layout]:
+    """The ``(TP, PP, DP, accumulation)`` candidate with the number of
+    model chunks per stage (``vp``, else each it can run) predicted fastest
+    among those that fit ``usable_gb`` (the fewest if none fits); None when
+    it cannot run ``vp``."""
+    t, p, dp, accumulation = candidate
+    chunks = chunk_counts(m.layers // p, p, accumulation)
+    if vp is not None:
+        chunks = [vp] if vp in chunks else []
+    options = [_layout(m, t, p, dp, accumulation, training, cluster, cp, v, usable_gb) for v in chunks]
+    if not options:
+        return None
+    fitting = [lay for lay in options if lay.fits] or options[:1]
+    return min(fitting, key=lambda lay: lay.predicted_step_seconds)
 
 
 def chunk_counts(stage_layers: int, pp: int, accumulation: int) -> List[int]:

@@ -47,7 +47,23 @@ Formulas (all per GPU, in bytes unless said otherwise):
 
   With context parallelism over C ranks each holds ``s / C`` positions: the
   terms in ``s*b*h`` divide by C, and so does the attention matrix (its
-  ``s / C`` queries attend to all ``s`` keys).
+  ``s / C`` queries attend to all ``s`` keys). Of the paper's ``10*s*b*h``,
+  ``2*s*b*h`` are the two dropout masks of 1 byte per element
+  (``mask_bytes``; a CPU's dropout keeps them in the activations' dtype).
+
+  This package's layer keeps more than the paper counts: the q, k and v
+  projections run as one GEMM on their weights concatenated at run time,
+  which the backward keeps (``3h^2/t`` elements in the weights' dtype; under
+  bf16 autocast each weight's bf16 copy instead, ``(4h^2 + 2hf)/t``).
+  Beside one micro-batch's layers a stage holds, while it runs a backward,
+  the gradient of the hidden states (``s*b*h``, ``/t`` with sequence
+  parallelism) and of the widest activation, the FFN's (``s*b*f/t``); a
+  pipeline stage keeps each micro-batch's output (``s*b*h``) until its
+  backward; the first stage the embedding dropout's mask, the last the final
+  layer norm's input and output and the logits (``s*b*V/t``), with their
+  gradient in fp32 and again in the logits' dtype when the backward starts.
+  ``fairseq-megatron-plan --dry-run`` (:mod:`~fairseq_megatron.planner.dry_run`)
+  measured these on the full models' shapes.
 
   With checkpointing, a layer's backward first recomputes its forward, so
   one layer's activations without checkpointing are also allocated (counted
@@ -66,9 +82,8 @@ Formulas (all per GPU, in bytes unless said otherwise):
   The interleaved schedule with ``V`` chunks per stage runs
   ``(V - 1) * P + 2 * (P - 1)`` chunk forwards before stage 0's first backward
   (torch's ``_get_warmup_ops``), ``(V - 1) * P`` on the last stage: the
-  first keeps ``L * (1 + (P - 1) / (P * V))`` layers' worth (the paper's
-  eq. 5). The last stage (or the only one) also holds the logits of the
-  loss in fp32, ``4*s*b*V/t``.
+  first keeps ``L * (1 + (P - 1) / (P * V))`` layers' worth (Korthikanti
+  et al. 2022, section 4.2.3).
 """
 
 import dataclasses

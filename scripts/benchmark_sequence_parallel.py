@@ -13,8 +13,10 @@ heads, FFN 2048, 4 sequences of 1024 tokens, fp32, dropout 0.1, attention
 dropout 0; ``--tp`` gloo processes of one thread each) that way, and the
 way that keeps the gathered input instead (no second gather, ``T x B x C``
 kept per column-parallel layer instead of ``T / N x B x C``), alternating,
-and prints the median of each, their difference, the bytes each keeps, and
-the time of the all-gather alone (twice per layer in the backward).
+and prints the median of each, their difference, the bytes each keeps
+beside the planner's formula for them (:func:`fairseq_megatron.planner.activation_bytes_per_layer`,
+with CPU's dropout masks in fp32), and the time of the all-gather alone
+(twice per layer in the backward).
 """
 
 import argparse
@@ -140,6 +142,11 @@ def main(argv=None) -> int:
         p.error("--tp must be at least 2 and --repeats at least 1")
     result = measure(args.tp, args.repeats)
     assert result["world_size"] == args.tp
+    from fairseq_megatron.planner import ModelShape, activation_bytes_per_layer
+
+    shape = ModelShape(1, HIDDEN, HEADS, FFN, 1024, LENGTH)
+    formula = {sp: activation_bytes_per_layer(shape, ROWS, args.tp, sequence_parallel=sp, checkpointing=False,
+                                              precision="fp32", mask_bytes=4) for sp in (True, False)}
     shard, gathered = result["times"]["shard kept"], result["times"]["gathered input kept"]
     print(f"one decoder layer ({HIDDEN} wide, FFN {FFN}, {ROWS} x {LENGTH} tokens, fp32), sequence parallel over "
           f"{args.tp} CPU processes, forward + backward, median of {args.repeats}:")
@@ -147,6 +154,9 @@ def main(argv=None) -> int:
           f"{result['kept']['shard kept'] / 2 ** 20:.2f} MiB kept")
     print(f"  keeping the gathered input:                            {gathered * 1e3:.1f} ms, "
           f"{result['kept']['gathered input kept'] / 2 ** 20:.2f} MiB kept")
+    print(f"  the planner's formula: {formula[True] / 2 ** 20:.2f} MiB with sequence parallelism "
+          f"({result['kept']['shard kept'] / formula[True] - 1:+.1%}), {formula[False] / 2 ** 20:.2f} MiB "
+          f"without it")
     print(f"  difference {(shard - gathered) * 1e3:+.1f} ms ({shard / gathered - 1:+.1%}); one all-gather of the "
           f"shard alone: {result['gather'] * 1e3:.2f} ms (the backward runs two)")
     return 0

@@ -561,10 +561,10 @@ def draw_png(path: str, lines: List[dict]) -> None:
                 bottom += value
             act_axis.bar(position, line[f"rank{r}_activations_mib"], color=colors["activations"],
                          label="activations" if position == 0 else None)
-            labels.append(f"{line['layout']} rank {r}\n{SPLITS.get(line['layout'], '')}")
+            labels.append(f"{line['layout']} rank {r}")
             position += 1
     for axis, what in ((state_axis, "model state"), (act_axis, "activations (most alive at once)")):
-        axis.set_xticks(range(len(labels)), labels, fontsize=6)
+        axis.set_xticks(range(len(labels)), labels, fontsize=7, rotation=30, ha="right")
         axis.set_ylabel(f"{what}, MiB per rank")
         axis.legend(fontsize=8)
     fig.suptitle(f"parallelism ablation ({lines[0]['device']}): what each layout splits, and what each rank holds")

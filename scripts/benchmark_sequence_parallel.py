@@ -133,10 +133,15 @@ def measure(tp: int, repeats: int) -> dict:
             return ast.literal_eval(f.read())
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size, one CPU process each (default 2)")
     p.add_argument("--repeats", type=int, default=10, help="timed passes of each way (default 10)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.tp < 2 or args.repeats < 1:
         p.error("--tp must be at least 2 and --repeats at least 1")

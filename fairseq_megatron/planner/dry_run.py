@@ -9,7 +9,7 @@ fairseq-train's flags for the layout and prepared for training as the
 trainer prepares it (:func:`~fairseq_megatron.training.parallelize.parallelize`,
 then FSDP2 for ``--ddp-backend fully_sharded``), under
 ``FakeTensorMode``: every tensor has its shape, dtype and device and no
-data, so a 175B model's stage is built and trained on a laptop in seconds.
+data, so a 175B model's stage is built and trained on a laptop.
 Torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``) follows
 every tensor the step creates and frees.
 

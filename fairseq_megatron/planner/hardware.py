@@ -28,12 +28,11 @@ off for them by default); every other precision's at the 16-bit one.
 What a program reaches of those peaks, stated once here:
 
 * :data:`COMPUTE_EFFICIENCY` of the 16-bit (or fp32) peak for the matrix
-  products: large half-precision GEMMs reach about three quarters of an
-  A100's peak in cuBLAS; the end-to-end figure also loses the kernel
-  launches between them.
-* :data:`MEMORY_EFFICIENCY` of the HBM bandwidth for the element-wise
-  kernels (layer norms, dropout, residual adds, GeLU, softmax, the
-  optimizer step), which are bound by memory traffic.
+  products, and :data:`MEMORY_EFFICIENCY` of the HBM bandwidth for the
+  element-wise kernels (layer norms, dropout, residual adds, GeLU, softmax,
+  the optimizer step), which are bound by memory traffic: the model's two
+  assumed constants. docs/planning.md compares what they give with the
+  Megatron-LM paper's Table 1 and with measured runs.
 * :data:`LINK_EFFICIENCY` of a link's bandwidth for NCCL's collectives: its
   own cost model caps the ring's bus bandwidth on A100 at 235 GB/s of
   NVLink's 300 (``src/graph/tuning.cc``, ``compCap80``), 78%.

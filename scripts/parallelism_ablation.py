@@ -28,16 +28,29 @@ reports per row:
   four, each at its most (an upper bound of what the rank held at once);
   ``peak_memory_mib`` is the most any rank held.
 
-``--csv PATH`` writes one line per row, ``--png PATH`` plots time and peak
-memory per layout and the memory of each rank as stacked bars (both written
-under a temporary name, then renamed). A row that cannot run (a layout
+- ``predicted_ms``: the planner's predicted time of the row's update
+  (:mod:`fairseq_megatron.planner.step_time`) on this machine's measured
+  rates: one process's matrix-product FLOP/s and memory-copy bandwidth,
+  measured here before the rows, and the bandwidth of the rows' gloo
+  all-reduces, measured by their ranks after training; printed beside the
+  measured times with both orderings.
+
+``--csv PATH`` writes one line per row, ``--png PATH`` plots each layout's
+time per iteration (measured and predicted), the model state (parameters,
+gradients, optimizer state) of each rank and, on an axis of their own,
+its activations, every layout labelled with what it splits (both files
+written under a temporary name, then renamed); the script ends by printing
+where they are written and where the two questions a reader asks of them
+(where is the split? why is memory uneven?) are answered. A row that cannot run (a layout
 refused by the launch checks fairseq-train runs first, or a failed rank) is
 reported with its error line, in the table and the CSV's ``status``, and the
 script exits 1 after the other rows.
 
 ``--cpu --quick``: a 4 x 128 decoder (4 heads, FFN 512) on 8 sequences of 256
 tokens per iteration, 2 CPU processes per row (gloo, one thread each), a few
-minutes in all. Without ``--quick``: GPT-2 large (36 layers, hidden 1280, 20
+minutes in all. ``--cpu --shape compute``: a 4 x 512 decoder (8 heads, FFN
+2048) on 8 sequences of 512 tokens, where the matrix products take most of
+each update (the shape the predicted ordering is checked at). Without ``--quick``: GPT-2 large (36 layers, hidden 1280, 20
 heads, FFN 5120, sequences of 1024 tokens, a 50,304-row vocabulary), 8
 sequences per iteration, for a node with 2 GPUs. The tokens follow a fixed
 random bigram chain (8 likely successors per token), so the loss falls.
@@ -61,9 +74,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 LAYOUTS = ("baseline", "DP2", "TP2", "SP2", "CP2", "PP2", "FSDP2")
+SPLITS = {  # what each layout splits over its ranks
+    "baseline": "nothing", "DP2": "the batch (model copies)", "TP2": "heads and FFN units",
+    "SP2": "heads, FFN units; sequence", "CP2": "the sequence", "PP2": "the layers",
+    "FSDP2": "the batch; shards of every tensor",
+}
+ANSWERS = "docs/benchmarks.md#parallelism-ablation"  # where is the split? why is memory uneven?
 RANKS = 2  # the most ranks a row uses: the CSV has their columns
 PARTS = ("parameters", "gradients", "optimizer", "activations")
-CSV_FIELDS = (["layout", "iteration_ms", "peak_memory_mib", "loss", "world_size", "device"]
+CSV_FIELDS = (["layout", "iteration_ms", "predicted_ms", "peak_memory_mib", "loss", "world_size", "device"]
               + [f"rank{r}_{part}_mib" for r in range(RANKS) for part in PARTS + ("peak",)] + ["status"])
 UNTIMED = 2  # iterations before timing starts
 PAD, SPECIALS = 1, 4  # fairseq's padding index and number of special symbols
@@ -88,6 +107,7 @@ class Shape:
 
 SHAPES = {
     "quick": Shape(layers=4, hidden=128, heads=4, ffn=512, seq_len=256, batch=8, words=1000, padded_vocab=1024),
+    "compute": Shape(layers=4, hidden=512, heads=8, ffn=2048, seq_len=512, batch=8, words=1000, padded_vocab=1024),
     "gpt2-large": Shape(layers=36, hidden=1280, heads=20, ffn=5120, seq_len=1024, batch=8, words=50253,
                         padded_vocab=50304),
 }
@@ -300,9 +320,30 @@ def _measure(rank, row, shape, cpu, iterations, seed, init_file) -> dict:
               "data": parallel_state.get_data_parallel_world_size()}
     result = {"times": times, "loss": loss, "peak": peak, "ran_at": ran_at, **parts}
     if dist.is_initialized():
+        result["all_reduce"] = _all_reduce_seconds(cpu)
         dist.barrier()
         dist.destroy_process_group()
     return result
+
+
+ALL_REDUCE_BYTES = 2 ** 24  # the all-reduce each rank of a row times after training: 16 MiB of fp32
+
+
+def _all_reduce_seconds(cpu: bool) -> float:
+    """The median of 5 all-reduces of :data:`ALL_REDUCE_BYTES` over the row's ranks, seconds."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.ones(ALL_REDUCE_BYTES // 4, device="cpu" if cpu else "cuda")
+    times = []
+    for _ in range(5):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        if not cpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _wait_for_all(cpu: bool, row: Layout) -> None:
@@ -346,6 +387,8 @@ def run_layout(row: Layout, shape: Shape, cpu: bool, iterations: int, seed: int)
     wrong = [r for r, result in enumerate(ranks) if result["ran_at"] != sizes]
     if wrong:
         return dict(line, status=f"failed: rank {wrong[0]} ran at {ranks[wrong[0]]['ran_at']}, not {sizes}")
+    if "all_reduce" in ranks[0]:
+        line["all_reduce_seconds"] = ranks[0]["all_reduce"]
     line.update(iteration_ms=round(statistics.median(ranks[0]["times"]) * 1e3, 1), loss=round(ranks[0]["loss"], 4),
                 peak_memory_mib=_mib(max(r["peak"] for r in ranks)))
     for r, result in enumerate(ranks):
@@ -374,12 +417,86 @@ def _device(cpu: bool) -> str:
     return torch.cuda.get_device_name(0)
 
 
+# ----------------------------------------------------------------- predictions
+
+
+def measured_cpu(all_reduce_seconds: Optional[float]):
+    """This machine as the planner's hardware (``fairseq_megatron.planner.GPU``),
+    from rates measured in this process with one thread: fp32 matrix
+    products (1024 x 1024), a 256 MiB copy, and the rows' gloo all-reduce of
+    :data:`ALL_REDUCE_BYTES` between two processes (a ring over two ranks
+    moves it once each way). Each rate is divided by the fraction of the
+    peak the planner assumes programs reach, so that the planner's rates
+    are the measured ones."""
+    import torch
+
+    from fairseq_megatron.planner import GPU
+    from fairseq_megatron.planner.hardware import COMPUTE_EFFICIENCY, LINK_EFFICIENCY, MEMORY_EFFICIENCY
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.randn(1024, 1024)
+        a @ a
+        start = time.perf_counter()
+        for _ in range(8):
+            a @ a
+        flops = 8 * 2 * 1024 ** 3 / (time.perf_counter() - start)
+        big = torch.empty(2 ** 26)
+        big.copy_(torch.ones(2 ** 26))
+        start = time.perf_counter()
+        torch.ones(2 ** 26).copy_(big)
+        copy = 3 * big.numel() * 4 / (time.perf_counter() - start)  # written once (ones), read and written once
+    finally:
+        torch.set_num_threads(threads)
+    link = ALL_REDUCE_BYTES / all_reduce_seconds / 1e9 if all_reduce_seconds else 1.0
+    return GPU("this CPU, one thread per rank", 1e6, flops / COMPUTE_EFFICIENCY / 1e12,
+               flops / COMPUTE_EFFICIENCY / 1e12, copy / MEMORY_EFFICIENCY / 1e9, link / LINK_EFFICIENCY,
+               link / LINK_EFFICIENCY)
+
+
+def predicted_ms(row: Layout, shape: Shape, hardware, cpu: bool) -> float:
+    """The planner's predicted time of ``row``'s update on ``hardware``, ms
+    (fp32 on CPU, whose attention with dropout keeps its scores; bf16
+    autocast and flash attention on GPUs)."""
+    from fairseq_megatron.planner import ModelShape, plan
+
+    model = ModelShape(shape.layers, shape.hidden, shape.heads, shape.ffn, shape.padded_vocab, shape.seq_len)
+    layouts = plan(model, row.world_size, row.world_size, hardware.memory_gb, row.rows(shape), shape.batch,
+                   precision="fp32" if cpu else "bf16-autocast", flash_attention=not cpu, tp=row.tensor,
+                   pp=row.pipeline, cp=row.context, vp=1, gpu=hardware,
+                   fully_sharded="zero3" if "fully_sharded" in row.flags else None,
+                   sequence_parallel="--sequence-parallel" in row.flags)
+    return round(layouts[0].predicted_step_seconds * 1e3, 1)
+
+
+def add_predictions(lines: List[dict], shape: Shape, cpu: bool) -> None:
+    """``predicted_ms`` of every row that ran, on the rates :func:`measured_cpu` measures."""
+    measured = [line["all_reduce_seconds"] for line in lines if "all_reduce_seconds" in line]
+    hardware = measured_cpu(statistics.median(measured) if measured else None) if cpu else None
+    if hardware is None:
+        from fairseq_megatron.planner import GPUS
+
+        hardware = GPUS["h100-80gb"]
+    for line in lines:
+        if line["status"] == "ok":
+            line["predicted_ms"] = predicted_ms(layout(line["layout"]), shape, hardware, cpu)
+
+
+def orderings(lines: List[dict]) -> str:
+    """The rows from fastest to slowest, measured and predicted."""
+    ran = [line for line in lines if line["status"] == "ok" and line.get("predicted_ms")]
+    measured = [line["layout"] for line in sorted(ran, key=lambda line: line["iteration_ms"])]
+    predicted = [line["layout"] for line in sorted(ran, key=lambda line: line["predicted_ms"])]
+    return f"fastest first, measured:  {' < '.join(measured)}\nfastest first, predicted: {' < '.join(predicted)}"
+
+
 # ----------------------------------------------------------------- output
 
 
 def format_table(lines: List[dict]) -> str:
     """The rows as a text table (failed rows with their status)."""
-    out = [f"{'layout':<9}{'ranks':>6}{'iteration ms':>14}{'peak MiB':>10}{'loss':>8}   "
+    out = [f"{'layout':<9}{'ranks':>6}{'iteration ms':>14}{'predicted':>11}{'peak MiB':>10}{'loss':>8}   "
            f"per rank MiB: parameters / gradients / optimizer / activations"]
     for line in lines:
         if line["status"] != "ok":
@@ -387,7 +504,8 @@ def format_table(lines: List[dict]) -> str:
             continue
         ranks = "   ".join(" / ".join(f"{line[f'rank{r}_{part}_mib']:g}" for part in PARTS)
                            for r in range(line["world_size"]))
-        out.append(f"{line['layout']:<9}{line['world_size']:>6}{line['iteration_ms']:>14.1f}"
+        predicted = f"{line['predicted_ms']:.1f}" if line.get("predicted_ms") else "-"
+        out.append(f"{line['layout']:<9}{line['world_size']:>6}{line['iteration_ms']:>14.1f}{predicted:>11}"
                    f"{line['peak_memory_mib']:>10.1f}{line['loss']:>8.3f}   {ranks}")
     return "\n".join(out)
 
@@ -397,50 +515,59 @@ def write_csv(path: str, lines: List[dict]) -> None:
     from fairseq_megatron.files import written_whole
 
     with written_whole(path) as partial, open(partial, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(lines)
 
 
 def draw_png(path: str, lines: List[dict]) -> None:
-    """Time per iteration and peak memory per layout, and each rank's memory
-    as stacked bars (parameters, gradients, optimizer state, activations);
-    a row that did not run is labelled so. Written to a temporary name, then renamed."""
+    """Per layout, labelled with what it splits (:data:`SPLITS`): the time
+    per iteration, measured and predicted; then each rank's model state
+    (parameters, gradients, optimizer state: what tensor parallelism and
+    fully sharded data parallelism halve) and, on an axis of its own, its
+    activations (what data, sequence, context and pipeline parallelism
+    split); a row that did not run is labelled so. Written to a temporary
+    name, then renamed."""
     import matplotlib
 
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # importing fairseq set the root logger to DEBUG
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [line["layout"] for line in lines]
+    names = [f"{line['layout']}\n{SPLITS.get(line['layout'], '')}" for line in lines]
     ran = [line["status"] == "ok" for line in lines]
-    fig, (time_axis, peak_axis, ranks_axis) = plt.subplots(1, 3, figsize=(17, 4.8),
-                                                           gridspec_kw={"width_ratios": [1, 1, 2]})
-    for axis, key, label in ((time_axis, "iteration_ms", "time per iteration, ms"),
-                             (peak_axis, "peak_memory_mib", "peak memory of any rank, MiB")):
-        values = [line[key] if ok else 0 for line, ok in zip(lines, ran)]
-        axis.bar(names, values, color="tab:blue" if key == "iteration_ms" else "tab:orange")
-        for x, ok in enumerate(ran):
-            if not ok:
-                axis.text(x, 0, "did not run", rotation=90, ha="center", va="bottom", fontsize=8)
-        axis.set_ylabel(label)
-        axis.tick_params(axis="x", rotation=45)
-    labels, x = [], 0
+    fig, (time_axis, state_axis, act_axis) = plt.subplots(3, 1, figsize=(14, 12))
+    x = range(len(lines))
+    time_axis.bar([i - 0.2 for i in x], [line["iteration_ms"] if ok else 0 for line, ok in zip(lines, ran)],
+                  width=0.4, color="tab:blue", label="measured")
+    time_axis.bar([i + 0.2 for i in x], [line.get("predicted_ms") or 0 if ok else 0 for line, ok in zip(lines, ran)],
+                  width=0.4, color="tab:gray", label="predicted (planner)")
+    for i, ok in enumerate(ran):
+        if not ok:
+            time_axis.text(i, 0, "did not run", rotation=90, ha="center", va="bottom", fontsize=8)
+    time_axis.set_xticks(list(x), names, fontsize=8)
+    time_axis.set_ylabel("time per iteration, ms")
+    time_axis.legend(fontsize=8)
+    labels, position = [], 0
     colors = {"parameters": "tab:blue", "gradients": "tab:green", "optimizer": "tab:purple",
               "activations": "tab:orange"}
     for line in lines:
         for r in range(line["world_size"] if line["status"] == "ok" else 0):
             bottom = 0.0
-            for part in PARTS:
+            for part in PARTS[:3]:
                 value = line[f"rank{r}_{part}_mib"]
-                ranks_axis.bar(x, value, bottom=bottom, color=colors[part], label=part if x == 0 else None)
+                state_axis.bar(position, value, bottom=bottom, color=colors[part],
+                               label=part if position == 0 else None)
                 bottom += value
-            labels.append(f"{line['layout']}\nrank {r}")
-            x += 1
-    ranks_axis.set_xticks(range(len(labels)), labels, fontsize=7)
-    ranks_axis.set_ylabel("MiB per rank")
-    ranks_axis.legend(fontsize=8)
-    fig.suptitle(f"parallelism ablation ({lines[0]['device']})")
+            act_axis.bar(position, line[f"rank{r}_activations_mib"], color=colors["activations"],
+                         label="activations" if position == 0 else None)
+            labels.append(f"{line['layout']} rank {r}")
+            position += 1
+    for axis, what in ((state_axis, "model state"), (act_axis, "activations (most alive at once)")):
+        axis.set_xticks(range(len(labels)), labels, fontsize=7, rotation=30, ha="right")
+        axis.set_ylabel(f"{what}, MiB per rank")
+        axis.legend(fontsize=8)
+    fig.suptitle(f"parallelism ablation ({lines[0]['device']}): what each layout splits, and what each rank holds")
     fig.tight_layout()
     from fairseq_megatron.files import written_whole
 
@@ -457,7 +584,9 @@ def draw_png(path: str, lines: List[dict]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="CPU processes with gloo (default: one GPU per rank, NCCL)")
-    p.add_argument("--quick", action="store_true", help="the small shape (default: GPT-2 large)")
+    p.add_argument("--quick", action="store_true", help="the small shape (the same as --shape quick)")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="the model and batch (default: gpt2-large, or quick with "
+                                                            "--quick); compute: where matrix products dominate")
     p.add_argument("--rows", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), metavar="LAYOUT",
                    help=f"the layouts to run, of {', '.join(LAYOUTS)} (default: all, in that order)")
     p.add_argument("--iterations", type=int, default=6,
@@ -481,7 +610,7 @@ def main(argv=None) -> int:
     if not args.cpu and torch.cuda.device_count() < RANKS:
         parser.error(f"{torch.cuda.device_count()} CUDA GPU(s) here, the rows need {RANKS}: pass --cpu "
                      f"(and --quick) to run on CPU processes")
-    shape = SHAPES["quick" if args.quick else "gpt2-large"]
+    shape = SHAPES[args.shape or ("quick" if args.quick else "gpt2-large")]
     print(f"{shape.layers} layers x {shape.hidden} hidden ({shape.heads} heads, FFN {shape.ffn}), "
           f"{shape.batch} x {shape.seq_len} tokens per iteration, {args.iterations} iterations, "
           f"{'fp32 on CPU' if args.cpu else 'bf16 autocast'}; {_device(args.cpu)}, "
@@ -490,12 +619,17 @@ def main(argv=None) -> int:
     for name in args.rows:
         lines.append(run_layout(layout(name), shape, args.cpu, args.iterations, args.seed))
         print(format_table(lines[-1:]).splitlines()[-1], flush=True)
+    add_predictions(lines, shape, args.cpu)
     print()
     print(format_table(lines))
+    print(orderings(lines))
     if args.csv:
         write_csv(args.csv, lines)
     if args.png:
         draw_png(args.png, lines)
+    written = [f"{path} ({what})" for path, what in ((args.csv, "one line per row"), (args.png, "the chart")) if path]
+    print(f"written: {', '.join(written) or 'nothing (give --csv and --png)'}; where each layout splits the model "
+          f"and why memory is uneven across ranks: {ANSWERS}")
     failed = [line["layout"] for line in lines if line["status"] != "ok"]
     if failed:
         print(f"error: {len(failed)} of {len(lines)} rows did not run: {', '.join(failed)} (see above)",

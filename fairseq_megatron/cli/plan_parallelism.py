@@ -1,37 +1,58 @@
 #!/usr/bin/env python
-"""Choose tensor/pipeline/data-parallel sizes and batch settings before launching.
+"""Choose tensor/pipeline/context/data-parallel sizes and batch settings before launching.
 
     fairseq-megatron-plan --arch transformer_lm_megatron_11b --gpus 16 --gpus-per-node 8 \\
-        --gpu-memory 80 --micro-batch 2 --global-batch 512 --seq-len 1024 [--optimizer adafactor] \\
-        [--checkpoint-activations] [--offload-activations] [--sequence-parallel] [--zero-sharding]
-        [--fully-sharded [zero3|zero2]] [--json] [--png layouts.png]
+        --micro-batch 2 --global-batch 512 --seq-len 1024 [--gpu a100-80gb|h100-80gb|h200] \\
+        [--gpu-memory GB] [--memory-margin GB] [--peak-tflops F] [--memory-bandwidth GB/s] \\
+        [--intra-node-bandwidth GB/s] [--inter-node-bandwidth GB/s] [--optimizer adafactor] \\
+        [--checkpoint-activations] [--offload-activations] [--sequence-parallel] [--zero-sharding] \\
+        [--fully-sharded [zero3|zero2]] [--tp T] [--pp P] [--vp V] [--cp C] [--json] [--png layouts.png] \\
+        [--dry-run]
 
-Lists every valid (TP, PP, DP) layout with gradient accumulation steps,
-parameters and memory per GPU (weights, gradients, optimizer state,
-activations), model FLOPs per step and a recommendation: without
+Lists every valid (TP, PP, DP) layout (with the fastest number of model
+chunks per pipeline stage, and the context-parallel size asked for) with
+gradient accumulation steps, parameters and memory per GPU (weights,
+gradients, optimizer state, activations), its predicted time per step, model
+TFLOP/s per GPU and the share of each cost, and a recommendation: the
+fastest predicted that fits the GPU's memory less a margin. Without
 --fully-sharded it also plans each layout under fully sharded data
-parallelism, and recommends that where it fits with fewer pipeline stages.
-The formulas are in
-fairseq_megatron/planner.py. Exit status 1 when no layout fits the GPU memory
-(the table is still printed, and the PNG written; stderr says what the
-smallest layout needs), as for a request that allows no layout at all.
+parallelism. The formulas are in fairseq_megatron/planner/. Exit status 1
+when no layout fits (the table is still printed, and the PNG written;
+stderr says what the smallest layout needs), as for a request that allows
+no layout at all.
+
+--dry-run then builds the first rank of the recommended layout's first
+stage (and of its last, with pipeline stages) with this package's code at
+the full shape and runs one training step under fake tensors
+(fairseq_megatron/planner/dry_run.py), and prints the memory it held beside
+the prediction.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
 
 from fairseq_megatron.files import written_whole
 from fairseq_megatron.planner import (
+    COSTS,
+    GPUS,
     ModelShape,
     PlanError,
+    Training,
+    default_margin_gb,
     humanize,
     megatron_arch_shape,
     model_tflops_per_step,
     plan,
     recommend,
+    stage_memory,
 )
+
+SHARE_COLUMNS = {"compute": "comp", "memory_bound": "mem", "tensor_parallel": "TP", "context_parallel": "CP",
+                 "pipeline_transfers": "p2p", "pipeline_bubble": "bubble", "data_parallel": "DP",
+                 "optimizer": "opt"}
 
 
 def positive(kind):
@@ -46,6 +67,14 @@ def positive(kind):
     return convert
 
 
+def non_negative(text: str) -> float:
+    """An argparse type: a finite float >= 0."""
+    value = float(text)
+    if not (0 <= value < math.inf):
+        raise argparse.ArgumentTypeError(f"must be a finite number of at least 0, got {text}")
+    return value
+
+
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", help="an arch of this package, e.g. transformer_lm_megatron_11b")
@@ -56,13 +85,25 @@ def build_parser():
     p.add_argument("--learned-positions", action="store_true")
     p.add_argument("--gpus", type=positive(int), required=True)
     p.add_argument("--gpus-per-node", type=positive(int), default=8)
-    p.add_argument("--gpu-memory", type=positive(float), default=80.0, help="GB per GPU")
+    p.add_argument("--gpu", choices=sorted(GPUS), default="a100-80gb",
+                   help="the GPU's published peak, memory and bandwidths (fairseq_megatron/planner/hardware.py); "
+                        "the flags below override them")
+    p.add_argument("--gpu-memory", type=positive(float), help="GB per GPU (default: the --gpu's)")
+    p.add_argument("--memory-margin", type=non_negative, metavar="GB",
+                   help="GB of each GPU left free for the CUDA context, communication buffers and fragmentation "
+                        "(default: 10%% of its memory, at least 2)")
+    p.add_argument("--peak-tflops", type=positive(float), help="dense 16-bit matrix-product peak, TFLOP/s")
+    p.add_argument("--memory-bandwidth", type=positive(float), help="GPU memory bandwidth, GB/s")
+    p.add_argument("--intra-node-bandwidth", type=positive(float),
+                   help="GB/s per GPU and direction between the GPUs of a node (NVLink)")
+    p.add_argument("--inter-node-bandwidth", type=positive(float),
+                   help="GB/s per GPU between nodes (its network adapter)")
     p.add_argument("--micro-batch", type=positive(int), default=1)
     p.add_argument("--global-batch", type=positive(int), required=True)
     p.add_argument("--precision", choices=["fp16", "bf16", "fp32", "memory-efficient-fp16", "bf16-autocast"],
                    default="fp16",
-                   help="fp16/bf16: 16-bit weights with fp32 master weights (2+2+12 bytes per parameter); "
-                        "memory-efficient-fp16: fairseq's flag, no master weights (2+2+8); fp32: 4+4+8; "
+                   help="fp16/bf16: 16-bit weights with fairseq's fp32 copy and its gradient (2+6+12 bytes per "
+                        "parameter); memory-efficient-fp16: fairseq's flag, no fp32 copy (2+2+8); fp32: 4+4+8; "
                         "bf16-autocast: this package's flag, fp32 weights (4+4+8) and 16-bit activations")
     p.add_argument("--optimizer", choices=["adam", "adafactor"], default="adam",
                    help="adafactor: fairseq's, without --beta1 (factored second moment, no first)")
@@ -77,11 +118,18 @@ def build_parser():
                         "optimizer state split over the data-parallel ranks; zero2: with "
                         "--no-reshard-after-forward (each layer's weights stay gathered until its backward)")
     p.add_argument("--no-flash-attention", dest="flash_attention", action="store_false",
-                   help="count the stored attention matrix (5*a*s^2*b bytes per layer)")
+                   help="count the stored attention matrix (5*a*s^2*b bytes per layer) and its memory traffic")
     p.add_argument("--tp", type=positive(int), help="only this tensor-parallel size")
     p.add_argument("--pp", type=positive(int), help="only this pipeline-parallel size")
+    p.add_argument("--vp", type=positive(int),
+                   help="model chunks per pipeline stage (the interleaved schedule; default: the fastest that fits)")
+    p.add_argument("--cp", "--context-parallel-size", dest="cp", type=positive(int), default=1,
+                   help="context-parallel size of every layout (default 1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--png", help="write a chart of memory per GPU by layout (needs matplotlib)")
+    p.add_argument("--png", help="write a chart of memory and predicted step time by layout (needs matplotlib)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="build the recommended layout's first rank (of its first and last stage) at full size and "
+                        "run one training step under fake tensors: its memory beside the prediction")
     return p
 
 
@@ -101,24 +149,34 @@ def shape_from_args(args) -> ModelShape:
     return shape
 
 
+def gpu_from_args(args):
+    """The ``--gpu`` preset with the flags that override it."""
+    overrides = {"memory_gb": args.gpu_memory, "peak_tflops": args.peak_tflops,
+                 "memory_bandwidth": args.memory_bandwidth, "intra_node_bandwidth": args.intra_node_bandwidth,
+                 "inter_node_bandwidth": args.inter_node_bandwidth}
+    return dataclasses.replace(GPUS[args.gpu], **{k: v for k, v in overrides.items() if v is not None})
+
+
 def write_png(layouts, path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"TP{l.tp} PP{l.pp}" for l in layouts]
+    labels = [lay.name().replace(", ", " ") for lay in layouts]
     parts = [("weights", "weights_gb"), ("gradients", "gradients_gb"), ("optimizer", "optimizer_gb"),
              ("activations", "activations_gb")]
-    fig, ax = plt.subplots(figsize=(max(6, len(layouts) * 0.6), 4))
+    fig, (memory, time) = plt.subplots(2, 1, figsize=(max(6, len(layouts) * 0.6), 7), sharex=True)
     bottom = [0.0] * len(layouts)
     for name, attr in parts:
-        values = [getattr(l, attr) for l in layouts]
-        ax.bar(labels, values, bottom=bottom, label=name)
+        values = [getattr(lay, attr) for lay in layouts]
+        memory.bar(labels, values, bottom=bottom, label=name)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_ylabel("GB per GPU")
-    ax.legend()
-    plt.xticks(rotation=45, ha="right")
+    memory.set_ylabel("GB per GPU")
+    memory.legend()
+    time.bar(labels, [lay.predicted_step_seconds for lay in layouts], color="tab:gray")
+    time.set_ylabel("predicted s per step")
+    plt.xticks(rotation=60, ha="right", fontsize=7)
     fig.tight_layout()
     try:
         with written_whole(path, suffix=".png") as partial:  # the format is read from the name
@@ -127,16 +185,73 @@ def write_png(layouts, path):
         plt.close(fig)
 
 
+def print_table(shape, args, layouts, reason, best, gpu, margin):
+    tflops = model_tflops_per_step(shape, args.global_batch)
+    print(f"model: {shape.layers} layers x {shape.hidden} hidden, {shape.heads} heads, FFN {shape.ffn}, "
+          f"vocab {shape.vocab}, seq {shape.seq_len}: {humanize(shape.parameters())} parameters, "
+          f"{tflops:,.0f} model TFLOPs per step of {args.global_batch} x {shape.seq_len} tokens; {gpu.name}: "
+          f"{gpu.peak_tflops:g} TFLOP/s, {gpu.memory_bandwidth:g} GB/s memory, {gpu.intra_node_bandwidth:g} / "
+          f"{gpu.inter_node_bandwidth:g} GB/s within / across nodes, {gpu.memory_gb:g} GB less {margin:g} GB")
+    host, gathered = args.offload_activations, bool(args.fully_sharded)
+    fits = f"fits {gpu.memory_gb - margin:g} GB"
+    shares = " ".join(f"{column:>6}" for column in SHARE_COLUMNS.values())
+    print(f"{'TP':>3} {'PP':>3} {'VP':>3} {'CP':>3} {'DP':>5} {'accum':>5} {'params/GPU':>10} {'weights':>8} "
+          f"{'grads':>7} {'optim':>7} {'activ':>7}" + (f" {'gathered':>8}" if gathered else "")
+          + f" {'total GB':>9}  {fits}" + ("  host GB" if host else "")
+          + f" {'step s':>8} {'TFLOP/s':>7}  share %: {shares}")
+    for lay in layouts:
+        print(f"{lay.tp:>3} {lay.pp:>3} {lay.vp:>3} {lay.cp:>3} {lay.dp:>5} {lay.grad_accumulation:>5} "
+              f"{humanize(lay.params_per_gpu):>10} {lay.weights_gb:8.1f} {lay.gradients_gb:7.1f} "
+              f"{lay.optimizer_gb:7.1f} {lay.activations_gb:7.1f}" + (f" {lay.gathered_gb:8.1f}" if gathered else "")
+              + f" {lay.total_gb:9.1f}  {'yes' if lay.fits else 'no':>{len(fits)}}"
+              + (f"  {lay.host_activations_gb:7.1f}" if host else "")
+              + f" {lay.predicted_step_seconds:8.3g} {lay.predicted_tflops_per_gpu:7.1f}{' ' * len('  share %: ')}"
+              + " ".join(f"{100 * lay.time_shares.get(cost, 0):6.1f}" for cost in COSTS))
+    print(f"recommended: {reason if best else 'none'}")
+
+
+def dry_runs(shape, layout, training) -> list:
+    """The dry run of ``layout``'s first (and last) stage beside the
+    planner's prediction for it: ``{stage, rank, world_size, measured,
+    predicted}``, the last two by kind (weights, gradients, optimizer,
+    activations; ``peak``: the most held at once, and the predicted total),
+    in bytes."""
+    from fairseq_megatron.planner.dry_run import dry_run
+
+    found = []
+    for stage in ("first", "last") if layout.pp > 1 else ("first",):
+        held = dry_run(shape, layout, training, stage)
+        # a CPU's dropout keeps its masks in the activations' dtype (a GPU's in one byte): predicted as they run
+        predicted = stage_memory(shape, layout.tp, layout.pp, layout.dp, layout.grad_accumulation, training,
+                                 layout.cp, layout.vp, stage, mask_bytes=training.activation_bytes)
+        kinds = ("weights", "gradients", "optimizer", "activations")
+        found.append({"stage": stage, "rank": held.rank, "world_size": held.world_size,
+                      "measured": dict({kind: getattr(held, kind) for kind in kinds}, peak=held.peak),
+                      "predicted": dict({kind: getattr(predicted, kind) for kind in kinds}, peak=predicted.total)})
+    return found
+
+
+def print_dry_runs(runs, layout) -> None:
+    for run in runs:
+        measured, predicted = run["measured"], run["predicted"]
+        print(f"dry run of rank {run['rank']} of {run['world_size']} ({layout.name()}, {run['stage']} stage), GB: "
+              + ", ".join(f"{kind} {measured[kind] / 1e9:.3g} (predicted {predicted[kind] / 1e9:.3g})"
+                          for kind in ("weights", "gradients", "optimizer", "activations"))
+              + f"; peak {measured['peak'] / 1e9:.3g} (predicted total {predicted['peak'] / 1e9:.3g})")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         shape = shape_from_args(args)
-        request = dict(gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_memory_gb=args.gpu_memory,
+        gpu = gpu_from_args(args)
+        margin = default_margin_gb(gpu.memory_gb) if args.memory_margin is None else args.memory_margin
+        request = dict(gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_memory_gb=gpu.memory_gb,
                        micro_batch=args.micro_batch, global_batch=args.global_batch, precision=args.precision,
                        checkpointing=args.checkpoint_activations, sequence_parallel=args.sequence_parallel,
-                       flash_attention=args.flash_attention, tp=args.tp, pp=args.pp,
-                       offloading=args.offload_activations, zero_sharding=args.zero_sharding,
-                       optimizer=args.optimizer)
+                       flash_attention=args.flash_attention, tp=args.tp, pp=args.pp, offloading=args.offload_activations,
+                       zero_sharding=args.zero_sharding, optimizer=args.optimizer, cp=args.cp, vp=args.vp, gpu=gpu,
+                       margin_gb=margin)
         layouts = plan(shape, **request, fully_sharded=args.fully_sharded)
         alternative = None
         if not (args.fully_sharded or args.zero_sharding or args.precision == "bf16"):
@@ -145,26 +260,27 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     best, reason = recommend(layouts, alternative)
-    tflops = model_tflops_per_step(shape, args.global_batch)
+    runs = None
+    if args.dry_run and best is not None:
+        training = Training(args.micro_batch, args.precision, args.checkpoint_activations or args.offload_activations,
+                            args.sequence_parallel, args.flash_attention, args.offload_activations, args.zero_sharding,
+                            args.optimizer, best.sharding if best.sharding in ("zero2", "zero3") else None)
+        try:
+            runs = dry_runs(shape, best, training)
+        except PlanError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     if args.json:
-        print(json.dumps({"parameters": shape.parameters(), "model_tflops_per_step": tflops,
-                          "layouts": [l.as_dict() for l in layouts],
-                          "recommended": best.as_dict() if best else None, "reason": reason}, indent=2))
+        print(json.dumps({"parameters": shape.parameters(), "model_tflops_per_step": model_tflops_per_step(
+            shape, args.global_batch), "gpu": dataclasses.asdict(gpu), "memory_margin_gb": margin,
+            "layouts": [lay.as_dict() for lay in layouts],
+            "fully_sharded_layouts": [lay.as_dict() for lay in alternative or []],
+            "recommended": best.as_dict() if best else None, "reason": reason,
+            **({"dry_runs": runs} if runs is not None else {})}, indent=2))
     else:
-        print(f"model: {shape.layers} layers x {shape.hidden} hidden, {shape.heads} heads, FFN {shape.ffn}, "
-              f"vocab {shape.vocab}, seq {shape.seq_len}: {humanize(shape.parameters())} parameters, "
-              f"{tflops:,.0f} model TFLOPs per step of {args.global_batch} x {shape.seq_len} tokens")
-        host, gathered = args.offload_activations, bool(args.fully_sharded)
-        print(f"{'TP':>3} {'PP':>3} {'DP':>4} {'accum':>5} {'params/GPU':>10} {'weights':>8} {'grads':>7} "
-              f"{'optim':>7} {'activ':>7}" + (f" {'gathered':>8}" if gathered else "")
-              + f" {'total GB':>9}  fits {args.gpu_memory:g} GB" + ("  host GB" if host else ""))
-        for l in layouts:
-            print(f"{l.tp:>3} {l.pp:>3} {l.dp:>4} {l.grad_accumulation:>5} {humanize(l.params_per_gpu):>10} "
-                  f"{l.weights_gb:8.1f} {l.gradients_gb:7.1f} {l.optimizer_gb:7.1f} {l.activations_gb:7.1f}"
-                  + (f" {l.gathered_gb:8.1f}" if gathered else "")
-                  + f" {l.total_gb:9.1f}  {'yes' if l.fits else 'no':>{len(f'fits {args.gpu_memory:g} GB')}}"
-                  + (f"  {l.host_activations_gb:7.1f}" if host else ""))
-        print(f"recommended: {reason if best else 'none'}")
+        print_table(shape, args, layouts, reason, best, gpu, margin)
+        if runs is not None:
+            print_dry_runs(runs, best)
     if args.png:
         try:
             write_png(layouts, args.png)

@@ -101,12 +101,16 @@ class Float8Training:
         return y if bias is None else y + bias.to(y.dtype)
 
 
+def active(module: nn.Module) -> bool:
+    """Whether ``module``'s products run in float8 now (``--fp8``, training)."""
+    return getattr(module, "float8", None) is not None and module.training
+
+
 def linear(module: nn.Module, x: torch.Tensor, weight: torch.Tensor,
            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``module``'s forward, its products in
     float8 when ``module`` is training and ``--fp8`` gave it a
     :class:`Float8Training`; otherwise exactly ``F.linear``."""
-    float8 = getattr(module, "float8", None)
-    if float8 is None or not module.training:
+    if not active(module):
         return F.linear(x, weight, bias)
-    return float8.linear(x, weight, bias)
+    return module.float8.linear(x, weight, bias)

@@ -10,8 +10,7 @@ from torch import Tensor
 
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.errors import UsageError
-from fairseq_megatron.modules import float8
-from fairseq_megatron.modules.column_parallel_linear import ColumnParallelLinear, column_parallel_input
+from fairseq_megatron.modules.column_parallel_linear import ColumnParallelLinear, column_parallel_product
 from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
 from fairseq_megatron.modules.row_parallel_linear import RowParallelLinear
 from fairseq_megatron.modules.sharding import divide
@@ -99,13 +98,15 @@ class ModelParallelMultiheadAttention(KeepsParameterAttributes, nn.Module):
         larger matrix multiply (the copy is ``3 C^2 / N`` elements per call,
         small next to the ``T * B * 3 C^2 / N`` multiply-adds it feeds).
         Returns three ``(T, B, C / N)`` views. With ``sequence_parallel``, ``x``
-        is this rank's ``(T / N, B, C)`` sequence shard and is all-gathered.
+        is this rank's ``(T / N, B, C)`` sequence shard, all-gathered for the
+        product and kept as the shard for the backward
+        (:func:`~fairseq_megatron.modules.column_parallel_linear.column_parallel_product`).
         """
-        x = column_parallel_input(x, self.tensor_parallel.group, sequence_parallel)
         projections = (self.q_proj, self.k_proj, self.v_proj)
         weight = torch.cat([p.weight for p in projections])
         bias = torch.cat([p.bias for p in projections]) if self.q_proj.bias is not None else None
-        qkv = float8.linear(self, x, weight, bias)  # in float8 with --fp8 (modules/float8.py)
+        # in float8 with --fp8 (modules/float8.py)
+        qkv = column_parallel_product(self, x, weight, bias, self.tensor_parallel.group, sequence_parallel)
         return qkv.split(self.q_proj.out_features_per_partition, dim=-1)
 
     def _heads(self, x: Tensor) -> Tensor:

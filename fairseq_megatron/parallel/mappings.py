@@ -108,6 +108,36 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Ten
     return _split_first_dim(_all_reduce(x, group), group)
 
 
+def all_gather_sequence(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """``(T / N, *)`` -> ``(T, *)`` in rank order, without autograd (for
+    autograd Functions that gather in their own backward)."""
+    return _gather_first_dim(x, group)
+
+
+def start_all_gather_sequence(x: torch.Tensor, group: ProcessGroup):
+    """Start :func:`all_gather_sequence` of ``x`` asynchronously; returns a
+    function that waits for it and returns the ``(T, *)`` result, so that
+    computation can run in between."""
+    n = parallel_state.world_size(group)
+    x = x.contiguous()
+    if _native_tensor_collectives(group):
+        out = x.new_empty((n * x.size(0),) + tuple(x.shape[1:]))
+        work = dist.all_gather_into_tensor(out, x, group=group, async_op=True)
+        return lambda: (work.wait(), out)[1]
+    parts = [torch.empty_like(x) for _ in range(n)]
+    work = dist.all_gather(parts, x, group=group, async_op=True)
+    return lambda: (work.wait(), torch.cat(parts, dim=0))[1]
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """``(T, *)`` partial sums -> this rank's ``(T / N, *)`` of their sum, without autograd.
+
+    Raises:
+        ValueError: T is not divisible by the group size N.
+    """
+    return _reduce_scatter_first_dim(x, group)
+
+
 class _ScatterToSequenceRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):

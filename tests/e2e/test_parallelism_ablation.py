@@ -46,3 +46,8 @@ def test_two_rows_print_write_and_plot(tmp_path):
     table = run.stdout[run.stdout.index("layout    ranks"):].splitlines()
     assert [line.split()[0] for line in table[1:3]] == ["baseline", "CP2"]
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png_path.stat().st_size > 10_000
+    # the planner's prediction beside each measured time, and where the answers are
+    assert float(baseline["predicted_ms"]) > 0 and float(context["predicted_ms"]) > 0
+    assert run.stdout.splitlines()[-1] == (f"written: {csv_path} (one line per row), {png_path} (the chart); where "
+                                           f"each layout splits the model and why memory is uneven across ranks: "
+                                           f"docs/benchmarks.md#parallelism-ablation")

@@ -81,3 +81,19 @@ def test_bad_arguments_are_one_line_before_any_row(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ablation.main(["--cpu", "--quick", "--csv", str(tmp_path / "missing" / "a.csv")])
     assert f"error: --csv {tmp_path / 'missing' / 'a.csv'}: no directory" in capsys.readouterr().err
+
+
+def test_every_layout_says_what_it_splits_and_is_predicted():
+    """The chart's labels cover every row, and the planner predicts each
+    row's update on given rates: on a machine whose links are slow, the
+    layouts that communicate every layer (TP2, SP2, CP2) are predicted
+    slower than DP2, which reduces its gradients once."""
+    from fairseq_megatron.planner import GPU
+
+    assert set(ablation.SPLITS) == set(ablation.LAYOUTS)
+    slow_links = GPU("test", 1e6, 1.0, 1.0, 10.0, 0.05, 0.05)
+    predicted = {name: ablation.predicted_ms(ablation.layout(name), QUICK, slow_links, cpu=True)
+                 for name in ablation.LAYOUTS}
+    assert all(value > 0 for value in predicted.values())
+    assert predicted["DP2"] < min(predicted["TP2"], predicted["SP2"], predicted["CP2"])
+    assert predicted["DP2"] < predicted["baseline"]  # each of two copies computes half the batch

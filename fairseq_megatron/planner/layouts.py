@@ -1,0 +1,223 @@
+"""The parallel layouts of a cluster: every valid (tensor, pipeline,
+context, data) split of the GPUs for a model and batch, with the memory per
+GPU of each (:mod:`~fairseq_megatron.planner.memory`) and its predicted
+step time (:mod:`~fairseq_megatron.planner.step_time`)."""
+
+import dataclasses
+import math
+from typing import Dict, List, Optional, Tuple
+
+from fairseq_megatron.planner.errors import PlanError
+from fairseq_megatron.planner.hardware import GPUS, GPU, Cluster
+from fairseq_megatron.planner.memory import Training, stage_memory
+from fairseq_megatron.planner.shape import ModelShape
+from fairseq_megatron.planner.step_time import step_time
+
+
+@dataclasses.dataclass
+class Layout:
+    """One (tensor, pipeline, data) parallel layout, with ``cp`` context-
+    parallel ranks and ``vp`` model chunks per pipeline stage, and its cost
+    per GPU: gradient accumulation steps per optimizer step, parameters,
+    memory in GB (1e9 bytes) by kind (of the first pipeline stage, the one
+    that holds the most), ``fits`` (``total_gb`` within the GPU's memory less
+    the margin), the predicted seconds and model TFLOP/s per GPU of one step
+    and each cost's share of it (:data:`~fairseq_megatron.planner.step_time.COSTS`),
+    and the GB each GPU sends across nodes in a step."""
+
+    tp: int
+    pp: int
+    dp: int
+    grad_accumulation: int
+    params_per_gpu: int
+    weights_gb: float
+    gradients_gb: float
+    optimizer_gb: float
+    activations_gb: float
+    total_gb: float
+    fits: bool
+    pipeline_bubble: float  # (PP - 1) / (VP x micro batches per step) (Narayanan et al. 2021, section 2.2)
+    host_activations_gb: float = 0.0  # the layer inputs --offload-activations keeps in host memory
+    gathered_gb: float = 0.0  # fully sharded: weights and gradients gathered whole while computing
+    sharding: str = "none"  # of the data-parallel copies: none, os (--zero-sharding os), zero2 or zero3
+    cp: int = 1
+    vp: int = 1
+    predicted_step_seconds: float = 0.0
+    predicted_tflops_per_gpu: float = 0.0
+    time_shares: Dict[str, float] = dataclasses.field(default_factory=dict)
+    network_gb: float = 0.0  # what each GPU sends through its network adapter per step
+    gathers_across_nodes: bool = False  # fully sharded over data-parallel ranks in several nodes
+
+    def as_dict(self) -> Dict:
+        return dataclasses.asdict(self)
+
+    def name(self) -> str:
+        """``TP=8, PP=16, DP=8`` (with ``CP``, ``VP`` and the sharding where they apply)."""
+        parts = [f"TP={self.tp}", f"PP={self.pp}"] + ([f"VP={self.vp}"] if self.vp > 1 else [])
+        parts += ([f"CP={self.cp}"] if self.cp > 1 else []) + [f"DP={self.dp}"]
+        sharded = {"zero3": " fully sharded", "zero2": " fully sharded (ZeRO-2)", "os": " ZeRO-1"}
+        return ", ".join(parts) + sharded.get(self.sharding, "")
+
+
+def default_margin_gb(memory_gb: float) -> float:
+    """Memory left free for the CUDA context, communication buffers and
+    fragmentation: 10% of the GPU's, at least 2 GB."""
+    return max(2.0, 0.1 * memory_gb)
+
+
+def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, micro_batch: int,
+         global_batch: int, precision: str = "fp16", checkpointing: bool = False,
+         sequence_parallel: bool = False, flash_attention: bool = True,
+         tp: Optional[int] = None, pp: Optional[int] = None, offloading: bool = False,
+         zero_sharding: bool = False, optimizer: str = "adam",
+         fully_sharded: Optional[str] = None, cp: int = 1, vp: Optional[int] = None,
+         gpu: Optional[GPU] = None, margin_gb: Optional[float] = None) -> List[Layout]:
+    """Every valid layout with its memory per GPU and predicted step time.
+
+    ``offloading`` (``--offload-activations``) implies ``checkpointing``.
+    ``zero_sharding`` (fairseq's ``--zero-sharding os``) divides the
+    optimizer's own state (Adam's moments, Adafactor's statistics) by the
+    data-parallel size. ``fully_sharded`` (``"zero3"``, ``"zero2"``) divides
+    weights, gradients and optimizer state by it (:func:`~fairseq_megatron.planner.memory.stage_memory`).
+    ``optimizer``: ``"adam"`` or ``"adafactor"``. ``cp``: the context-parallel
+    size of every layout. ``gpu``: the hardware the steps are timed on
+    (default: the ``a100-80gb`` preset); ``gpu_memory_gb`` is its memory, of
+    which ``margin_gb`` (default :func:`default_margin_gb`) is kept free.
+
+    Valid: TP divides the heads and the FFN size and stays within a node
+    (TP divides ``gpus_per_node``), PP divides the layers, DP = gpus / (TP*PP*CP)
+    is whole, the global batch is a whole number of micro batches per
+    data-parallel rank (gradient accumulation = global / (micro * DP)), and
+    with PP > 1 there are at least PP micro batches per update (torch's
+    1F1B schedule needs one per stage). With PP > 1 each layout takes the
+    fastest number of model chunks per stage ``VP`` that fits (the
+    interleaved schedule: ``VP`` divides the layers per stage, and PP the
+    micro batches); ``vp`` fixes it.
+
+    ``tp`` / ``pp`` restrict the search to one tensor / pipeline size.
+
+    Raises:
+        PlanError: an unknown precision, optimizer or sharding; the global
+            batch is not a multiple of the micro batch; a requested ``tp``
+            does not divide the heads or FFN size (or exceeds a node), a
+            requested ``pp`` does not divide the layers, ``vp`` does not
+            divide the layers of a stage, ``cp`` does not divide the GPUs or
+            half the sequence; a margin of all the memory; no layout is
+            valid (the message says why).
+    """
+    training = Training(micro_batch, precision, checkpointing or offloading, sequence_parallel, flash_attention,
+                        offloading, zero_sharding, optimizer, fully_sharded)
+    training.check()
+    cluster = Cluster(gpus, gpus_per_node, dataclasses.replace(gpu or GPUS["a100-80gb"], memory_gb=gpu_memory_gb))
+    cluster.check()
+    margin = default_margin_gb(gpu_memory_gb) if margin_gb is None else margin_gb
+    if not 0 <= margin < gpu_memory_gb:
+        raise PlanError(f"a memory margin of {margin:g} GB leaves nothing of the GPU's {gpu_memory_gb:g} GB")
+    _check_context_parallel(m, gpus, cp)
+    candidates = candidate_layouts(m, gpus // cp, gpus_per_node, micro_batch, global_batch, tp, pp, stride=cp)
+    layouts = [lay for lay in (_fastest_chunks(m, candidate, training, cluster, cp, vp, gpu_memory_gb - margin)
+                               for candidate in candidates) if lay is not None]
+    if not layouts and vp is not None:
+        raise PlanError(f"no layout gives its pipeline stages {vp} model chunks each (the interleaved schedule "
+                        f"needs the layers of a stage divisible by {vp} and the micro batches per update by the "
+                        f"stages)")
+    if not layouts:
+        raise PlanError(_why_no_layout(m, gpus, gpus_per_node, micro_batch, global_batch))
+    return layouts
+
+
+def _fastest_chunks(m: ModelShape, candidate: Tuple[int, int, int, int], training: Training, cluster: Cluster,
+                    cp: int, vp: Optional[int], usable_gb: float) -> Optional[Layout]:
+    """The ``(TP, PP, DP, accumulation)`` candidate with the number of
+    model chunks per stage (``vp``, else each it can run) predicted fastest
+    among those that fit ``usable_gb`` (the fewest if none fits); None when
+    it cannot run ``vp``."""
+    t, p, dp, accumulation = candidate
+    chunks = chunk_counts(m.layers // p, p, accumulation)
+    if vp is not None:
+        chunks = [vp] if vp in chunks else []
+    options = [_layout(m, t, p, dp, accumulation, training, cluster, cp, v, usable_gb) for v in chunks]
+    if not options:
+        return None
+    fitting = [lay for lay in options if lay.fits] or options[:1]
+    return min(fitting, key=lambda lay: lay.predicted_step_seconds)
+
+
+def chunk_counts(stage_layers: int, pp: int, accumulation: int) -> List[int]:
+    """The numbers of model chunks a stage of ``stage_layers`` layers can
+    run: 1, and with several stages each divisor of its layers when the
+    ``accumulation`` micro batches are a multiple of the stages."""
+    if pp == 1 or accumulation % pp:
+        return [1]
+    return _divisors(stage_layers)
+
+
+def _check_context_parallel(m: ModelShape, gpus: int, cp: int) -> None:
+    if cp < 1 or gpus % cp:
+        raise PlanError(f"context-parallel size {cp} does not divide the {gpus} GPUs")
+    if m.seq_len % (2 * cp):
+        raise PlanError(f"context-parallel size {cp} needs the sequence ({m.seq_len} tokens) divisible by {2 * cp} "
+                        f"(each rank holds two of 2 x {cp} chunks)")
+
+
+def _layout(m: ModelShape, t: int, p: int, dp: int, accumulation: int, training: Training, cluster: Cluster,
+            cp: int, vp: int, usable_gb: float) -> Layout:
+    gb = 1e9
+    first = stage_memory(m, t, p, dp, accumulation, training, cp, vp, "first")
+    time = step_time(m, t, p, dp, accumulation, training, cluster, first.params, cp, vp)
+    sharding = training.fully_sharded or ("os" if training.zero_sharding else "none")
+    return Layout(t, p, dp, accumulation, first.params, first.weights / gb, first.gradients / gb,
+                  first.optimizer / gb, first.activations / gb, first.total / gb, first.total / gb <= usable_gb,
+                  (p - 1) / (vp * accumulation), first.host / gb, first.gathered / gb, sharding, cp, vp,
+                  time.seconds, time.tflops_per_gpu, time.shares(), time.network_bytes / gb,
+                  bool(training.fully_sharded) and cluster.ranks_per_node(dp * cp, t) < dp * cp)
+
+
+def candidate_layouts(m: ModelShape, gpus: int, gpus_per_node: int, micro_batch: int, global_batch: int,
+                      tp: Optional[int] = None, pp: Optional[int] = None,
+                      stride: int = 1) -> List[Tuple[int, int, int, int]]:
+    """The valid ``(TP, PP, DP, gradient accumulation)`` of :func:`plan`
+    for ``gpus`` model copies' worth of GPUs (``stride`` context-parallel
+    ranks each: the tensor-parallel group still lies within a node).
+
+    Raises:
+        PlanError: as :func:`plan`, except for an empty list.
+    """
+    if global_batch % micro_batch != 0:
+        raise PlanError(f"global batch {global_batch} is not a multiple of the micro batch {micro_batch}")
+    if gpus * stride % gpus_per_node != 0 and gpus * stride > gpus_per_node:
+        raise PlanError(f"{gpus * stride} GPUs are not a whole number of nodes of {gpus_per_node}")
+    from fairseq_megatron.models.options import undivided_dimension  # the model's rule for what TP must divide
+
+    def splits(t: int) -> bool:
+        return undivided_dimension(t, m.heads, m.ffn) is None and gpus_per_node % t == 0
+
+    if tp is not None and not splits(tp):
+        raise PlanError(f"tensor-parallel size {tp} must divide heads {m.heads}, FFN {m.ffn} and the "
+                        f"{gpus_per_node} GPUs of a node")
+    if pp is not None and m.layers % pp:
+        raise PlanError(f"pipeline-parallel size {pp} does not divide the {m.layers} layers")
+    found = []
+    for t in [tp] if tp else _divisors(min(gpus_per_node, gpus)):
+        for p in [pp] if pp else _divisors(m.layers):
+            if not splits(t) or gpus % (t * p) or global_batch % (micro_batch * gpus // (t * p)):
+                continue
+            dp = gpus // (t * p)
+            accumulation = global_batch // (micro_batch * dp)
+            if p == 1 or accumulation >= p:  # 1F1B needs a micro batch per stage
+                found.append((t, p, dp, accumulation))
+    return found
+
+
+def _divisors(n: int) -> List[int]:
+    """The divisors of ``n``, ascending, in O(sqrt(n)) steps (a billion layers take 31,623)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def _why_no_layout(m, gpus, gpus_per_node, micro_batch, global_batch) -> str:
+    tps = [t for t in _divisors(min(gpus_per_node, gpus)) if m.heads % t == 0 and m.ffn % t == 0]
+    if not tps:
+        return f"no tensor-parallel size within a node of {gpus_per_node} divides heads {m.heads} and FFN {m.ffn}"
+    return (f"no layout of {gpus} GPUs gives a whole number of micro batches of {micro_batch} per data-parallel "
+            f"rank for global batch {global_batch}")

@@ -54,3 +54,18 @@ def written_whole(target: str, suffix: str = ""):
     finally:
         if os.path.lexists(partial):
             os.remove(partial)
+
+
+def umask() -> int:
+    """This process's file-creation mask (read by setting it and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def with_the_mode_of_a_new_file(path: str) -> None:
+    """Give ``path`` the permissions any new file gets here (``0o666`` less
+    the umask), where the library that wrote it chose its own (safetensors
+    writes ``0o600``: the other users of a shared model directory could not
+    read the weights)."""
+    os.chmod(path, 0o666 & ~umask())

@@ -56,7 +56,7 @@ from fairseq_megatron.checkpoint.resharding import (
     tensor_checksum,
 )
 from fairseq_megatron.errors import UsageError, check_directory_can_be_made
-from fairseq_megatron.files import new_temporary
+from fairseq_megatron.files import new_temporary, with_the_mode_of_a_new_file
 
 # transformers' default shard size before version 5 (5 GB); a shard holds whole tensors.
 MAX_SHARD_BYTES = 5 * 10**9
@@ -233,6 +233,7 @@ class _ShardWriter:
             return
         path = os.path.join(self.directory, f"shard-{len(self.files)}.safetensors")
         save_file(self.pending, path, metadata={"format": "pt"})
+        with_the_mode_of_a_new_file(path)
         self.files.append({name: tensor_checksum(t) for name, t in self.pending.items()} if self.verify
                           else dict.fromkeys(self.pending))
         self.pending, self.pending_bytes = {}, 0

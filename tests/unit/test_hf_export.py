@@ -273,3 +273,20 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(exported, tmp_path, capsys, 
     assert err.startswith(f"error: cannot write {out}: No space left on device (") and err.endswith(
         " free there); nothing was written") and "\n" not in err, err
     assert len(save.calls) == 2 and os.listdir(tmp_path) == ["dict.txt"]
+
+
+def test_every_file_of_the_export_has_the_mode_of_a_new_file(tmp_path):
+    """safetensors writes its files 0o600: in a shared model directory only
+    their owner could read the weights; every file now has the mode any new
+    file gets under the umask (0o640 here, 0o644 under the usual 0o022)."""
+    src = str(tmp_path / "src" / "model.pt")
+    os.makedirs(os.path.dirname(src))
+    save_checkpoint(src, 2)
+    previous = os.umask(0o027)
+    try:
+        export_to_transformers(src, str(tmp_path / "hf"), make_dictionary(WORDS), max_shard_bytes=20_000)
+    finally:
+        os.umask(previous)
+    modes = {name: os.stat(tmp_path / "hf" / name).st_mode & 0o777 for name in os.listdir(tmp_path / "hf")}
+    assert any(name.endswith(".safetensors") for name in modes)
+    assert set(modes.values()) == {0o640}, modes

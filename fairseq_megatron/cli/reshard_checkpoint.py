@@ -168,6 +168,10 @@ def main(argv=None) -> int:
             shard_bytes = MAX_SHARD_BYTES if args.max_shard_size is None else int(args.max_shard_size * 1e9)
             print(export_to_transformers(args.input, args.output, dictionary, args.encoder_json, args.vocab_bpe,
                                          args.dtype, verify=args.verify, max_shard_bytes=shard_bytes, parts=parts))
+            if args.encoder_json is None:
+                print(f"no tokenizer written: AutoTokenizer.from_pretrained({args.output!r}) will not give this "
+                      f"model's ids; a tokenizer needs a dictionary of GPT-2 BPE ids (--dict) and GPT-2's BPE files "
+                      f"(--encoder-json, --vocab-bpe)", file=sys.stderr)
             return 0
         if args.to_fairseq:
             parts = PartFiles(args.input)

@@ -290,3 +290,13 @@ def test_every_file_of_the_export_has_the_mode_of_a_new_file(tmp_path):
     modes = {name: os.stat(tmp_path / "hf" / name).st_mode & 0o777 for name in os.listdir(tmp_path / "hf")}
     assert any(name.endswith(".safetensors") for name in modes)
     assert set(modes.values()) == {0o640}, modes
+
+
+def test_an_export_without_a_tokenizer_says_so(exported, tmp_path, capsys):
+    """Without GPT-2's BPE files no tokenizer is written, and transformers'
+    AutoTokenizer would then make an XGLM tokenizer of nothing (every word
+    <unk>): the command says so in a line, with what to pass."""
+    assert reshard_checkpoint.main(["--input", exported["src"], "--output", str(tmp_path / "hf"), "--to-hf"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("no tokenizer written: AutoTokenizer.from_pretrained(") and "--encoder-json" in err[-1]
+    assert not (tmp_path / "hf" / "tokenizer.json").exists()

@@ -7,6 +7,8 @@ in row-parallel layers and the gathered vocabulary changes (~1e-6)."""
 import os
 import re
 import shutil
+import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -515,3 +517,18 @@ def test_two_sizes_under_one_name_are_refused(tmp_path):
     os.rename(part_path(other, 1), str(tmp_path / "aside.pt"))
     with pytest.raises(CheckpointError, match=re.escape(f"model part file {part_path(other, 1)} is missing")):
         find_part_files(other)
+
+
+def test_skipping_the_integrity_check_says_so(tmp_path):
+    """FAIRSEQ_MEGATRON_SKIP_INTEGRITY_CHECK=1 is documented, but a corrupted
+    file then loaded without a word: every tool now warns once, in a fresh
+    process of the command."""
+    path = str(tmp_path / "model.pt")
+    save_checkpoint(path, 2)
+    env = dict(os.environ, FAIRSEQ_MEGATRON_SKIP_INTEGRITY_CHECK="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "fairseq_megatron.cli.reshard_checkpoint", "--input", path,
+                           "--output", str(tmp_path / "out" / "m.pt"), "--model-parallel-size", "1"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = [line for line in proc.stderr.splitlines() if "FAIRSEQ_MEGATRON_SKIP_INTEGRITY_CHECK=1" in line]
+    assert len(said) == 1 and "without their CRC-32 check" in said[0], proc.stderr[-2000:]

@@ -329,14 +329,31 @@ def is_write_failure(error: BaseException) -> bool:
 def write_error(path: str, error: BaseException, needed: Optional[int] = None) -> CheckpointError:
     """One line for a failed write to ``path`` (``needed``: the bytes it
     had to hold, where known), for the caller to raise once the partial file
-    is removed: a full disk is named as such, with the bytes free there."""
+    is removed: a full disk is named as such, with the bytes free there, and
+    so is the process's file-size limit (``ulimit -f``) where that stopped
+    the write (torch's zip writer reports it as "unexpected pos ...")."""
     free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    amounts = f"{_amount(needed)} to write, " if needed is not None else ""
+    limit = _file_size_limit()
+    too_large = (isinstance(error, OSError) and error.errno == errno.EFBIG) or (
+        limit is not None and (needed is None or needed > limit) and not isinstance(error, OSError))
+    if too_large and limit is not None:
+        return CheckpointError(f"cannot write {path}: the file-size limit of this process (ulimit -f: "
+                               f"{_amount(limit)}) is below the file's size ({amounts}{_amount(free)} free there); "
+                               f"raise the limit; nothing was written")
     full = (isinstance(error, OSError) and error.errno == errno.ENOSPC) or (needed is not None and free < needed) or (
         not isinstance(error, OSError) and os.strerror(errno.ENOSPC) in str(error))  # safetensors' IoError
     reason = os.strerror(errno.ENOSPC) if full else f"{type(error).__name__}: {error}"
-    amounts = f"{_amount(needed)} to write, " if needed is not None else ""
     return CheckpointError(f"cannot write {path}: {reason} ({amounts}{_amount(free)} free there); "
                            f"nothing was written")
+
+
+def _file_size_limit() -> Optional[int]:
+    """The process's limit on the size of a file it writes, in bytes (``ulimit -f``), or None."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def _amount(n: int) -> str:

@@ -532,3 +532,25 @@ def test_skipping_the_integrity_check_says_so(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     said = [line for line in proc.stderr.splitlines() if "FAIRSEQ_MEGATRON_SKIP_INTEGRITY_CHECK=1" in line]
     assert len(said) == 1 and "without their CRC-32 check" in said[0], proc.stderr[-2000:]
+
+
+def test_a_write_stopped_by_the_file_size_limit_names_it(tmp_path):
+    """A process under ``ulimit -f`` (Python ignores SIGXFSZ: the write fails
+    with EFBIG, which torch's zip writer reports as "unexpected pos ..."):
+    the line named a full disk with GBs free; it names the limit."""
+    import resource
+
+    path = str(tmp_path / "model.pt")
+    save_checkpoint(path, 2)
+    limit = os.path.getsize(part_path(path, 0)) // 2  # below the merged output's size
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+    proc = subprocess.run([sys.executable, "-m", "fairseq_megatron.cli.reshard_checkpoint", "--input", path,
+                           "--output", str(tmp_path / "out" / "m.pt"), "--model-parallel-size", "1"],
+                          capture_output=True, text=True, timeout=300, preexec_fn=limited,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith("error: cannot write ") and "ulimit -f" in last, proc.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "out" / "m.pt") and os.listdir(tmp_path / "out") == []

@@ -31,6 +31,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from fairseq_megatron.checkpoint import safe_loading
 from fairseq_megatron.checkpoint.integrity import check_integrity
 from fairseq_megatron.checkpoint.layout import CheckpointError
 from fairseq_megatron.checkpoint.names import staged_name
@@ -194,7 +195,9 @@ def read_shards(part: str, shards: int, token: Optional[str]) -> List[dict]:
         except CheckpointError as e:
             raise CheckpointError(f"optimizer shard {e}: {_ADVICE}") from None
         try:
-            state = torch.load(name, map_location="cpu", mmap=True, weights_only=True)
+            state = safe_loading.load(name, name, mmap=True)  # as part files: a refused global named, never run
+        except CheckpointError:
+            raise
         except Exception as e:  # a zip archive that does not hold a torch save
             raise CheckpointError(f"cannot read optimizer shard {name}: {str(e).splitlines()[0]}") from None
         if not isinstance(state, dict) or state.get("token") != token or state.get("rank") != rank \

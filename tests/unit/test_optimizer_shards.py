@@ -167,3 +167,27 @@ def test_a_save_of_fewer_shards_removes_the_shards_beyond_them(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(n) for n in names[:2] + names[4:])
     remove_optimizer_shards(part)
     assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(n) for n in names[4:])
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch ran-from-a-shard",))
+
+
+def test_a_shard_that_would_run_code_names_what_it_holds(tmp_path, monkeypatch):
+    """A ``__reduce__`` payload in an optimizer shard was refused with
+    torch's "Re-running torch.load with weights_only set to False will
+    likely succeed"; it is refused as a part file is: the class named, and
+    the variable that opts in for files one trusts. Nothing runs."""
+    monkeypatch.chdir(tmp_path)
+    part = str(tmp_path / "checkpoint_last-model_part-0.pt")
+    token = "0" * 32
+    _save_shards(part, 2, token)
+    shard = torch.load(shards.shard_path(part, 1), weights_only=False)
+    shard["payload"] = _RunsCode()
+    torch.save(shard, shards.shard_path(part, 1))
+    with pytest.raises(CheckpointError) as refused:
+        shards.read_shards(part, 2, token)
+    said = str(refused.value)
+    assert "posix.system" in said and "FAIRSEQ_MEGATRON_TRUST_CHECKPOINTS=1" in said and "will likely" not in said
+    assert not os.path.exists(tmp_path / "ran-from-a-shard")

@@ -179,7 +179,10 @@ def main(argv=None) -> int:
             print(export_to_fairseq(args.input, args.output, vocab_size=vocab, verify=args.verify, parts=parts))
             return 0
         if args.model_parallel_size is None or args.model_parallel_size < 1:
-            raise UsageError("--model-parallel-size N (N >= 1) is required unless --to-fairseq")
+            given = "" if args.model_parallel_size is None else f" ({args.model_parallel_size})"
+            raise UsageError(f"--model-parallel-size T{given}: the number of tensor parts to write, at least 1, is "
+                             f"needed to reshard (with or without --pipeline-model-parallel-size); --to-fairseq and "
+                             f"--to-hf write one model and take none")
         parts = PartFiles(args.input, args.keep_optimizer)  # read once, for the count and the resharding
         passes = 1 + args.keep_optimizer + len(parts.ema_entries)  # weights, optimizer, EMA weights
         steps = len(layer_groups(parts.keys)) * args.model_parallel_size * passes

@@ -554,3 +554,15 @@ def test_a_write_stopped_by_the_file_size_limit_names_it(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and last.startswith("error: cannot write ") and "ulimit -f" in last, proc.stderr[-2000:]
     assert not os.path.exists(tmp_path / "out" / "m.pt") and os.listdir(tmp_path / "out") == []
+
+
+def test_the_model_parallel_size_is_required_to_reshard_and_its_help_says_so(tmp_path, capsys):
+    path = str(tmp_path / "model.pt")
+    save_checkpoint(path, 2)
+    argv = ["--input", path, "--output", str(tmp_path / "out" / "m.pt"), "--pipeline-model-parallel-size", "2"]
+    assert reshard_checkpoint.main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --model-parallel-size T: the number of tensor parts to write") and "\n" not in err
+    assert "unless --to-fairseq" not in err and not os.path.exists(tmp_path / "out")
+    help_text = " ".join(reshard_checkpoint.build_parser().format_help().split())
+    assert "--model-parallel-size T new model-parallel size (required, except with --to-fairseq and --to-hf)" in help_text

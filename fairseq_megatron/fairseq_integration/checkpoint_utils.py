@@ -214,7 +214,10 @@ def load_checkpoint(cfg, trainer, **passthrough_args):
         return load(cfg, trainer, **passthrough_args)
     last = os.path.join(cfg.save_dir, f"checkpoint_last{trainer.checkpoint_suffix}.pt")
     interrupted = os.path.join(cfg.save_dir, "checkpoint_last.pt")
-    if cfg.restore_file == "checkpoint_last.pt" and not PathManager.exists(last) and existing_part_files(interrupted):
+    # on every rank alike (a part the manifest lists but that is gone is each rank's error, not only its owner's,
+    # who would leave the others waiting for it in the next collective)
+    saved = existing_part_files(interrupted) if cfg.restore_file == "checkpoint_last.pt" else []
+    if cfg.restore_file == "checkpoint_last.pt" and not PathManager.exists(last) and saved:
         cfg = copy.deepcopy(cfg)
         cfg.restore_file, cfg.finetune_from_model = interrupted, None
         if getattr(cfg, "continue_once", None) is not None:

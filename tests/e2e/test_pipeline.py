@@ -22,7 +22,9 @@ import pytest
 import torch
 
 from fairseq_megatron.checkpoint.resharding import reshard
-from tests.e2e.common import assert_close_per_update, eval_args, eval_loss, train_and_valid_losses, train_and_validate
+from fairseq_megatron import USER_DIR
+from tests.e2e.common import MODEL, assert_close_per_update, eval_args, eval_loss, train_and_valid_losses, \
+    train_and_validate
 from tests.helpers import fairseq
 
 pytestmark = pytest.mark.slow
@@ -102,3 +104,23 @@ def test_fine_tuning_splits_a_one_stage_checkpoint_into_stages(runs, trained, tm
     assert train_and_valid_losses(log)[0][1][0] < train_and_valid_losses(logs[1])[0][1][0] - 0.5
     assert sorted(os.listdir(tmp_path / "tuned"))[:2] == ["checkpoint_best-model_part-0-stage-0.pt",
                                                          "checkpoint_best-model_part-0-stage-1.pt"]
+
+
+def test_resuming_with_a_stage_file_gone_is_one_line_on_every_rank(runs, trained, tmp_path):
+    """The stage-1 file of checkpoint_last removed: the rank of stage 1 said
+    so in one line, and stage 0's rank died in a collective with gloo's
+    "Connection closed by peer" traceback; now every rank says it."""
+    import shutil
+
+    root, _ = runs
+    broken = tmp_path / "broken"
+    shutil.copytree(root / "pp2", broken)
+    os.remove(broken / "checkpoint_last-model_part-0-stage-1.pt")
+    args = [trained["data"], "--user-dir", USER_DIR, "--cpu", *MODEL, "--criterion", "vocab_parallel_cross_entropy",
+            "--batch-size", "4", "--optimizer", "adam", "--lr", "0.001", "--max-update", "8", "--save-dir",
+            str(broken), "--update-freq", "2", "--pipeline-model-parallel-size", "2"]
+    rc, out = fairseq("train", args, nproc=2, check=False)
+    errors = [line for line in out.splitlines() if "error: " in line]  # each rank's, "[rankN]: error: ..."
+    assert rc != 0 and len(errors) == 2 and all("checkpoint_last-model_part-0-stage-1.pt is missing" in e
+                                                for e in errors), out[-3000:]
+    assert "Traceback" not in out and "Connection closed" not in out, out[-3000:]

@@ -60,6 +60,7 @@ from fairseq.utils import safe_getattr
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.fairseq_integration.patching import fairseq_tool, original, plugin_on_command_line, replace
 from fairseq_megatron.parallel import parallel_state
+from fairseq_megatron.training.data_parallel import data_parallel_class
 
 _TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 
@@ -160,8 +161,8 @@ def main_in_its_layout(main, cfg, **kwargs):
     parallelism (``--ddp-backend fully_sharded``) in one process without a
     launcher gets a world of its own one rank: FSDP2 shards over a process
     group, even of one."""
-    distributed = getattr(cfg, "distributed_training", None)
-    if getattr(distributed, "ddp_backend", None) == "fully_sharded" and not dist.is_initialized():
+    data_parallel = data_parallel_class(getattr(cfg, "distributed_training", None))
+    if data_parallel.needs_a_process_group and not dist.is_initialized():
         parallel_state.start_single_rank_world()
     parallel_state.ensure_model_parallel(*launch_sizes(cfg))
     _forget_fairseqs_global_group_at_exit()

@@ -8,7 +8,7 @@
   sizes were checked before it, where the layout is built): fairseq's
   ``main`` creates ``--save-dir`` (and writes a probe file into it) first,
   and ``--ddp-backend fully_sharded`` with fairscale-only options failed
-  after building the model (:func:`~fairseq_megatron.models.options.check_fully_sharded`);
+  after building the model (:meth:`~fairseq_megatron.training.data_parallel.DataParallel.check`);
   ``--bf16`` without torch_xla and ``--fp16`` on CPU failed with
   tracebacks after building it; a ``--save-dir`` with a file in its path
   was "Not a directory: '<save-dir>/dummy'", and a read-only one a logged
@@ -53,12 +53,9 @@ def main(cfg, **kwargs):
     """fairseq-train's ``main``, after the checks above for our architectures."""
     from fairseq_megatron.errors import check_directory_can_be_made
     from fairseq_megatron.models.model_parallel_transformer_lm import is_model_parallel_arch
-    from fairseq_megatron.models.options import (
-        check_fp8_environment,
-        check_fully_sharded,
-        check_pipeline_data_parallel_backend,
-        check_training_precision,
-    )
+    from fairseq_megatron.training.data_parallel import data_parallel_class
+    from fairseq_megatron.training.float8 import check_fp8_environment
+    from fairseq_megatron.training.options import check_training_precision
     from fairseq_megatron.modules import sharding
     from fairseq_megatron.fairseq_integration.save_dir import check_writable, one_run_at_a_time
     from fairseq_megatron.parallel import parallel_state
@@ -74,10 +71,9 @@ def main(cfg, **kwargs):
         return run(cfg, **kwargs)
     check_directory_can_be_made(cfg.checkpoint.save_dir, f"--save-dir {cfg.checkpoint.save_dir}")
     layout = parallel_state.get_parallel_layout()  # built from cfg at launch, its sizes checked there
-    check_fully_sharded(cfg.distributed_training, cfg.common, cfg.ema, cfg.model, cfg.checkpoint)
-    check_pipeline_data_parallel_backend(cfg.distributed_training.ddp_backend, layout.pipeline, layout.data,
-                                         layout.context)
-    check_training_precision(cfg.common, fully_sharded=cfg.distributed_training.ddp_backend == "fully_sharded")
+    data_parallel = data_parallel_class(cfg.distributed_training)
+    data_parallel.check(cfg, layout.pipeline, layout.data, layout.context)
+    check_training_precision(cfg.common, fp32_parameters=data_parallel.keeps_fp32_parameters)
     check_fp8_environment(cfg.model, cfg.common.cpu)
     check_writable(cfg.checkpoint.save_dir)
     # fairseq's main makes --save-dir on the master rank only

@@ -10,7 +10,6 @@ themselves are checked where the layout is built
 
 from typing import Optional, Sequence
 
-import torch
 from fairseq.utils import safe_getattr
 
 from fairseq_megatron.errors import UsageError
@@ -100,111 +99,6 @@ def pad_dictionary(dictionary, model_parallel_size: int, padded_vocab_size: Opti
             f"model-parallel size {model_parallel_size}"
         )
     return len(dictionary)
-
-
-def check_fully_sharded(distributed, common, ema, model, checkpoint=None) -> None:
-    """Refuse what ``--ddp-backend fully_sharded`` (torch's FSDP2,
-    :mod:`fairseq_megatron.training.fully_sharded`) does not do for our
-    models; nothing for other backends. ``distributed``, ``common``,
-    ``ema``, ``checkpoint``: fairseq's ``cfg.distributed_training``,
-    ``cfg.common``, ``cfg.ema``, ``cfg.checkpoint``; ``model``: the model
-    config.
-
-    Each refusal says why: fairscale's options have no FSDP2 counterpart
-    (``--cpu-offload``, ``--use-sharded-state``: the checkpoints are always
-    this package's part files plus one optimizer shard per data-parallel
-    rank); ``--zero-sharding os`` would shard the optimizer state a second
-    time; ``--cuda-graphs`` would replay addresses of parameters FSDP2
-    gathers anew each step; fairseq's EMA keeps a whole model copy and its
-    ``--amp`` optimizer does not use FSDP2's mixed-precision policy; a save,
-    which every rank takes part in (each writes its optimizer shard, one
-    commit of all), is written synchronously to a local directory.
-
-    Raises:
-        UsageError: the first of these.
-    """
-    if distributed.ddp_backend != "fully_sharded":
-        return
-    saving = checkpoint is not None and not checkpoint.no_save
-    refused = [
-        ("--cpu-offload", getattr(distributed, "cpu_offload", False),
-         "fairscale's FSDP option; torch's FSDP2 here keeps the parameter shards on the device"),
-        ("--use-sharded-state", getattr(distributed, "use_sharded_state", False),
-         "fairscale's FSDP option; checkpoints are always part files plus one optimizer shard per data-parallel "
-         "rank"),
-        (f"--zero-sharding {distributed.zero_sharding}", distributed.zero_sharding != "none",
-         "the optimizer state is sharded already, with the parameters"),
-        ("--cuda-graphs", safe_getattr(model, "cuda_graphs", False),
-         "FSDP2 gathers each layer's parameters into new memory every step, which a replayed CUDA graph "
-         "cannot follow"),
-        ("--store-ema", ema.store_ema, "fairseq's EMA keeps a whole copy of the model on every rank"),
-        ("--amp", common.amp, "fairseq's AMP optimizer is not wired to FSDP2's mixed-precision policy; use --fp16 "
-                              "or --bf16-autocast, which are"),
-        ("--write-checkpoints-asynchronously", saving and checkpoint.write_checkpoints_asynchronously,
-         "every rank takes part in a save (each writes its optimizer shard, one commit of all)"),
-        (f"--save-dir {checkpoint.save_dir if checkpoint is not None else ''} (a remote file system)",
-         saving and "://" in (checkpoint.save_dir or ""),
-         "the save's commit renames every rank's files in a local directory"),
-    ]
-    for flag, given, reason in refused:
-        if given:
-            raise UsageError(f"{flag} does not work with --ddp-backend fully_sharded ({reason}); drop it, or use "
-                             f"--ddp-backend pytorch_ddp")
-
-
-def check_pipeline_data_parallel_backend(ddp_backend: str, stages: int, data_parallel_size: int,
-                                         context_parallel_size: int = 1) -> None:
-    """Refuse a data-parallel wrapper that cannot wrap a pipeline stage.
-
-    torch's pipeline schedule calls the stage's module itself, not the
-    wrapper, so torch's DDP (``pytorch_ddp``, ``c10d``) would never reduce
-    the gradients; fairseq's ``legacy_ddp`` (``no_c10d``) all-reduces them
-    once after the backward pass, when the trainer asks, and works, and so
-    does ``fully_sharded`` (each model chunk is a root FSDP unit, which
-    torch's schedule drives). The gradients are averaged over the model
-    copies and their context-parallel ranks (``data_parallel_size x
-    context_parallel_size``).
-
-    Raises:
-        UsageError: pipeline stages, more than one rank to average
-            gradients over, and a backend other than ``legacy_ddp``/``no_c10d``/``fully_sharded``.
-    """
-    if (stages > 1 and data_parallel_size * context_parallel_size > 1
-            and ddp_backend not in ("legacy_ddp", "no_c10d", "fully_sharded")):
-        ranks = f"{data_parallel_size} model cop{'y' if data_parallel_size == 1 else 'ies'}"
-        if context_parallel_size > 1:
-            ranks += f" x --context-parallel-size {context_parallel_size}"
-        raise UsageError(f"--ddp-backend {ddp_backend} with --pipeline-model-parallel-size {stages} and "
-                         f"{ranks}: the pipeline schedule runs each stage outside "
-                         f"torch's DDP; use --ddp-backend legacy_ddp or fully_sharded")
-
-
-def check_training_precision(common, fully_sharded: bool = False) -> None:
-    """Refuse fairseq-train precision flags that fail later on this machine.
-
-    ``common``: fairseq's ``cfg.common``. ``--bf16`` means TPU in fairseq
-    0.12 (it sets ``--tpu``; FAIRSEQ_FACTS.md) and without ``torch_xla``
-    fairseq-train failed with "'NoneType' object has no attribute
-    'xla_device'". ``--fp16`` on CPU (``--cpu``, or no CUDA) failed in
-    ``fairseq/optim/fp16_optimizer.py``, whose fp32 master weights go to the
-    current CUDA device: "Torch not compiled with CUDA enabled".
-    ``--memory-efficient-fp16`` and ``--amp`` run there and pass, and so does
-    ``--fp16`` under ``--ddp-backend fully_sharded`` (``fully_sharded``: fp32
-    sharded parameters and fairseq's loss scaler, no fp32 copy).
-
-    Raises:
-        UsageError: either case, naming the flag to use instead.
-    """
-    import importlib.util
-
-    if (common.bf16 or common.memory_efficient_bf16) and importlib.util.find_spec("torch_xla") is None:
-        flag = "--memory-efficient-bf16" if common.memory_efficient_bf16 else "--bf16"
-        raise UsageError(f"fairseq's {flag} means TPU (it needs torch_xla); for bf16 on a GPU or CPU "
-                         f"use --bf16-autocast (fp32 weights, bf16 autocast)")
-    fp16_optimizer = common.fp16 and not common.memory_efficient_fp16 and not fully_sharded  # fp16: set for both
-    if fp16_optimizer and (common.cpu or not torch.cuda.is_available()):
-        raise UsageError("--fp16 needs a CUDA GPU (fairseq's FP16 optimizer keeps its fp32 master weights "
-                         "there); on CPU train in fp32 or with --bf16-autocast")
 
 
 def check_options(args, model_parallel_size: int) -> None:
@@ -436,29 +330,3 @@ def check_fp8_options(args, model_parallel_size: int) -> None:
     if tokens_per_sample is not None and int(tokens_per_sample) % FLOAT8_GEMM_MULTIPLE:
         raise UsageError(f"--fp8 with --tokens-per-sample {tokens_per_sample}: float8 GEMMs need each batch's "
                          f"token count a multiple of {FLOAT8_GEMM_MULTIPLE}; use a multiple of it")
-
-
-def check_fp8_environment(args, cpu: bool) -> None:
-    """Refuse ``--fp8`` on a machine that cannot run it, before any work:
-    torchao's float8 training must import, and unless the test mode
-    (``FAIRSEQ_MEGATRON_FP8_EMULATE=1``, :mod:`fairseq_megatron.modules.float8`)
-    emulates it, the run needs a CUDA GPU with float8 matrix multiplies
-    (compute capability 8.9 or newer: Ada, Hopper, Blackwell). ``cpu``:
-    fairseq's ``--cpu``. fairseq-train's start calls it.
-
-    Raises:
-        UsageError: either case, in one line.
-    """
-    if not safe_getattr(args, "fp8", False):
-        return
-    from fairseq_megatron.modules.float8 import Float8Training, emulated
-
-    if not emulated():  # the device first: it needs no import of torchao
-        needs = ("--fp8 needs a GPU with float8 matrix multiplies (compute capability 8.9 or newer: Ada, Hopper, "
-                 "Blackwell)")
-        if cpu or not torch.cuda.is_available():
-            raise UsageError(f"{needs}; this run is on the CPU")
-        capability = torch.cuda.get_device_capability()
-        if capability < (8, 9):
-            raise UsageError(f"{needs}; {torch.cuda.get_device_name()} has {capability[0]}.{capability[1]}")
-    Float8Training.of_recipe(safe_getattr(args, "fp8_recipe", None) or "tensorwise", emulate=emulated())

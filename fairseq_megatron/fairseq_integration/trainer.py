@@ -24,6 +24,8 @@ What it does differently from fairseq's trainer, and why:
 - Per-step logging reads nothing from the device (fairseq's
   ``_reduce_and_log_stats`` waited twice per step), and whether a batch
   holds padding is decided on its CPU copy (:mod:`fairseq_megatron.modules.padding`).
+  The log also gives tokens/s, model TFLOP/s and MFU per GPU, and peak memory
+  (:mod:`fairseq_megatron.training.throughput`).
 - Checkpoints: rank K writes ``-model_part-K`` files, its crash file too
   (fairseq wrote one ``crash.pt`` from every rank); the RNG tracker's streams
   are saved and restored (as fairseq's MegatronTrainer); a checkpoint saved at
@@ -81,6 +83,7 @@ from fairseq_megatron.training.fused_adam import FairseqFusedAdam, fused_adam_ap
 from fairseq_megatron.training.memory import log_memory_report
 from fairseq_megatron.training.parallelize import Parallelized, parallelize
 from fairseq_megatron.training.pipeline_schedule import PipelineSchedule
+from fairseq_megatron.training.throughput import Throughput
 
 logger = logging.getLogger(__name__)
 
@@ -152,8 +155,9 @@ class MegatronTrainer(TrainerCheckpoints, StepLogging, DataParallelGroups, Train
     """
 
     def __init__(self, cfg, task, model, criterion, quantizer=None):
-        # this rank's layout, built once at launch; what parallelize made of the model is kept whole
-        self.parallelized = parallelize(model, parallel_state.get_process_groups(), cfg)
+        groups = parallel_state.get_process_groups()  # this rank's layout, built once at launch
+        self.throughput = Throughput.of(model, groups.tensor.size, groups.layout.world_size, cfg)  # model still whole
+        self.parallelized = parallelize(model, groups, cfg)
         self.data_parallel = self.parallelized.data_parallel
         self.context_split = self.parallelized.context_split  # None, or how this rank's C ranks split sequences
         if cfg.ema.store_ema:  # fairseq's EMA copies the model in the constructor, before any load
@@ -204,14 +208,16 @@ class MegatronTrainer(TrainerCheckpoints, StepLogging, DataParallelGroups, Train
 
     def train_step(self, samples, raise_oom=False):
         """fairseq's; with pipeline stages the update's samples go to the
-        schedule as one batch of micro-batches (:mod:`fairseq_megatron.training.pipeline_schedule`).
-        After the first update each rank logs what it holds
-        (:func:`~fairseq_megatron.training.memory.memory_report`)."""
+        schedule as one batch of micro-batches (:mod:`fairseq_megatron.training.pipeline_schedule`);
+        the log interval's throughput per GPU joins fairseq's meters
+        (:mod:`fairseq_megatron.training.throughput`). After the first update
+        each rank logs what it holds (:func:`~fairseq_megatron.training.memory.memory_report`)."""
         if self.pipeline is None:
             result = super().train_step(samples, raise_oom)
         else:
             with self.pipeline.steps_of(self.task):
                 result = super().train_step([self.pipeline.micro_batches_of(samples)], raise_oom)
+        self.throughput.log()
         if not self._memory_reported:
             self._memory_reported = True
             log_memory_report(dist.get_rank() if dist.is_initialized() else 0, self.get_model(), self.optimizer)

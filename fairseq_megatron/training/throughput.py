@@ -117,6 +117,7 @@ class Throughput:
         self.device_name = device_name
         self.peak = peak_tflops(device_name) if device_name is not None else None
         self.total_gib = total_gib
+        self._reading = None  # (which count of which meter, tokens per second per rank): one clock read per line
 
     @classmethod
     def of(cls, model: nn.Module, tensor_parallel_size: int, world_size: int, cfg) -> "Throughput":
@@ -139,7 +140,16 @@ class Throughput:
         return throughput
 
     def _tokens_per_rank(self, meters) -> float:
-        return meters["wps"].avg / self.world_size if "wps" in meters else 0.0
+        """``wps`` over the ranks. fairseq's speed meter divides by the time
+        elapsed when it is read; read once for each count of tokens, so that
+        the figures of one log line share one reading of the clock."""
+        if "wps" not in meters:
+            return 0.0
+        wps = meters["wps"]
+        count = (id(wps), getattr(wps, "n", None), getattr(wps, "start", None))
+        if self._reading is None or self._reading[0] != count:
+            self._reading = (count, wps.avg / self.world_size)
+        return self._reading[1]
 
     def _tflops(self, meters) -> float:
         return self._tokens_per_rank(meters) * self.flops_per_token / 1e12

@@ -60,10 +60,11 @@ def test_the_log_gives_throughput_per_gpu(trained):
     for update in updates:
         logged = dict(re.findall(r"(\w+)=([^,\s]+)", update))
         wps, tps, tflops = (float(logged[key]) for key in ("wps", "tps", "tflops"))
-        # fairseq rounds wps to 0.1 tokens/s, and reads the clock again for each figure (microseconds apart)
-        assert tps == pytest.approx(wps / 2, rel=1e-3), update
-        # both printed to 6 significant digits ("{:g}"), and the clock read again
-        assert tflops == pytest.approx(tps * flops_per_token / 1e12, rel=1e-4), update
+        # fairseq rounds wps to 0.1 tokens/s and reads the clock for it apart from ours: microseconds later, of an
+        # interval of tens of milliseconds here (one update)
+        assert tps == pytest.approx(wps / 2, rel=1e-2), update
+        # one reading of the clock for both; each printed to 6 significant digits ("{:g}")
+        assert tflops == pytest.approx(tps * flops_per_token / 1e12, rel=1e-5), update
         assert float(logged["gb_peak"]) > 0 and "mfu" not in logged, update
 
 

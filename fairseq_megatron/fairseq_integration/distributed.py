@@ -46,6 +46,7 @@ processes, and gathering on CPU.
 import atexit
 import contextlib
 import functools
+import math
 import os
 import socket
 import sys
@@ -60,6 +61,7 @@ from fairseq.utils import safe_getattr
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.fairseq_integration.patching import fairseq_tool, original, plugin_on_command_line, replace
 from fairseq_megatron.parallel import parallel_state
+from fairseq_megatron.parallel.layout import ParallelLayout
 from fairseq_megatron.training.data_parallel import data_parallel_class
 
 _TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
@@ -153,20 +155,36 @@ def runs_our_models(cfg) -> bool:
         safe_getattr(model, "_name", None) or safe_getattr(model, "arch", None))
 
 
-def main_in_its_layout(main, cfg, **kwargs):
-    """``main(cfg, **kwargs)`` once this rank's parallel layout is built from
-    ``cfg`` (:func:`~fairseq_megatron.parallel.parallel_state.ensure_model_parallel`:
-    fairseq's ``distributed_init`` built it already at model-parallel size
+def main_in_its_layout(main, sizes, cfg, **kwargs):
+    """``main(cfg, **kwargs)`` once this rank's groups are built for the
+    parallel ``sizes`` of ``cfg`` (:func:`launch_sizes`, read once per
+    process; :func:`~fairseq_megatron.parallel.parallel_state.ensure_model_parallel`:
+    fairseq's ``distributed_init`` built them already at model-parallel size
     > 1; a single process gets the single-process layout). Sharded data
     parallelism (``--ddp-backend fully_sharded``) in one process without a
     launcher gets a world of its own one rank: FSDP2 shards over a process
     group, even of one."""
-    data_parallel = data_parallel_class(getattr(cfg, "distributed_training", None))
-    if data_parallel.needs_a_process_group and not dist.is_initialized():
+    if data_parallel_class(getattr(cfg, "distributed_training", None)).needs_a_process_group \
+            and not dist.is_initialized():
         parallel_state.start_single_rank_world()
-    parallel_state.ensure_model_parallel(*launch_sizes(cfg))
+    parallel_state.ensure_model_parallel(*sizes)
     _forget_fairseqs_global_group_at_exit()
     return main(cfg, **kwargs)
+
+
+def _launch_layout(cfg, sizes) -> None:
+    """This process's layout of the parallel ``sizes``, in the world its
+    launch starts (one process without a launcher), for fairseq's
+    ``distributed_init`` to build the groups of
+    (:func:`~fairseq_megatron.parallel.parallel_state.launch_layout`).
+
+    Raises:
+        UsageError: a world size the sizes do not divide, or sizes above 1
+            in one process (:class:`~fairseq_megatron.parallel.layout.ParallelLayout`).
+    """
+    launch = cfg.distributed_training
+    world = launch.distributed_world_size if launch.distributed_init_method is not None else 1
+    parallel_state.launch_layout(ParallelLayout(world, *sizes))
 
 
 @functools.lru_cache(maxsize=None)  # registered once per process
@@ -180,21 +198,22 @@ def _forget_fairseqs_global_group_at_exit() -> None:
     atexit.register(vars(distributed_utils.get_global_group).pop, "_global_group", None)
 
 
-def _distributed_main_with_the_plugin(index: int, main, cfg, kwargs, exit_with_the_launcher: bool = False) -> None:
+def _distributed_main_with_the_plugin(index: int, main, cfg, kwargs, sizes=None) -> None:
     """What each process that fairseq's launch spawns runs: fairseq's
     ``distributed_main``, after this module's import (the process unpickles
     this function by its module path), which installs the plugin. Our
     bad-input errors end as one line here too (torch's spawn catches them
     before the excepthook would); the parent then reports the exit status.
-    ``exit_with_the_launcher``: in a run of our models, see
-    :func:`_exit_with_the_launcher` (the layout's sizes are then expected
-    as in :func:`call_main`)."""
+    ``sizes``: in a run of our models, the parallel sizes :func:`call_main`
+    read; the process then ends with its launcher
+    (:func:`_exit_with_the_launcher`) and takes its layout
+    (:func:`_launch_layout`)."""
     from fairseq_megatron.fairseq_integration.one_line_errors import printed_as_one_line
 
     try:
-        if exit_with_the_launcher:
+        if sizes is not None:
             _exit_with_the_launcher()
-            parallel_state.expect_layout(*launch_sizes(cfg))
+            _launch_layout(cfg, sizes)
         distributed_utils.distributed_main(index, main, cfg, kwargs)
     except Exception as e:
         if printed_as_one_line(e):
@@ -236,9 +255,10 @@ def call_main(cfg, main, **kwargs):
     inferred (without GPUs, by :func:`_infer_launch_without_gpus`), then the
     processes spawned with the plugin loaded, or ``main`` run here.
 
-    In a run of our models (:func:`runs_our_models`), every process builds
-    its parallel layout from ``cfg`` once, before ``main`` runs
-    (:func:`main_in_its_layout`), and the sizes are checked here first.
+    In a run of our models (:func:`runs_our_models`), the parallel sizes
+    are read from ``cfg`` here, once, and checked; every process then takes
+    its layout of them (:func:`_launch_layout`) and has its groups built
+    before ``main`` runs (:func:`main_in_its_layout`).
 
     Raises:
         UsageError: in a run of our models, a parallel size below 1, or an
@@ -247,12 +267,13 @@ def call_main(cfg, main, **kwargs):
             not divide the world size.
     """
     ours = runs_our_models(cfg)
+    sizes = launch_sizes(cfg) if ours else None
     if ours:
         from fairseq_megatron.fairseq_integration.option_values import check_option_values
 
-        parallel_state.expect_layout(*launch_sizes(cfg))
+        ParallelLayout(math.prod(sizes), *sizes)  # each size at least 1, before anything starts
         check_option_values(cfg)  # fairseq's own numbers, beside our sizes
-        main = functools.partial(main_in_its_layout, main)
+        main = functools.partial(main_in_its_layout, main, sizes)
     if ours and os.environ.get("TORCHELASTIC_RUN_ID"):  # a rank that torchrun started
         _exit_with_the_launcher()
     launch = cfg.distributed_training
@@ -266,6 +287,8 @@ def call_main(cfg, main, **kwargs):
     elif launch.distributed_init_method is None:
         distributed_utils.infer_init_method(launch)  # what fairseq's call_main does first
     if launch.distributed_init_method is None or launch.distributed_no_spawn or cfg.common.tpu:
+        if ours:
+            _launch_layout(cfg, sizes)
         return original(distributed_utils, "call_main")(cfg, main, **kwargs)
     # fairseq's spawn, of processes that load this plugin first
     nprocs = launch.distributed_num_procs if torch.cuda.device_count() == 0 else \
@@ -276,7 +299,7 @@ def call_main(cfg, main, **kwargs):
     with contextlib.ExitStack() as stack:
         if interactive is not None and interactive.input == "-" and fairseq_tool() == "interactive":
             interactive.input = stack.enter_context(_standard_input_through_a_pipe())
-        torch.multiprocessing.spawn(fn=_distributed_main_with_the_plugin, args=(main, cfg, kwargs, ours),
+        torch.multiprocessing.spawn(fn=_distributed_main_with_the_plugin, args=(main, cfg, kwargs, sizes),
                                     nprocs=nprocs, join=True)
 
 

@@ -413,7 +413,7 @@ def main(cfg):
     from fairseq.distributed import utils as distributed_utils
 
     from fairseq_megatron.errors import check_directory_can_be_made
-    from fairseq_megatron.fairseq_integration.distributed import main_in_its_layout
+    from fairseq_megatron.fairseq_integration.distributed import launch_sizes, main_in_its_layout
 
     if not plugin_on_command_line():  # fairseq-generate without our --user-dir: fairseq's
         return original(_cli(), "main")(cfg)
@@ -422,7 +422,7 @@ def main(cfg):
     if cfg.common_eval.results_path is not None:  # before the model is loaded, or processes spawned
         check_directory_can_be_made(cfg.common_eval.results_path, f"--results-path {cfg.common_eval.results_path}")
     if dist.is_initialized():  # a caller started torch.distributed already
-        return main_in_its_layout(generate_on_this_rank, cfg)
+        return main_in_its_layout(generate_on_this_rank, launch_sizes(cfg), cfg)
     # in each process call_main starts, or here at world size 1
     return distributed_utils.call_main(cfg, generate_on_this_rank)
 

@@ -247,7 +247,6 @@ def _measure(rank, row, shape, cpu, iterations, seed, init_file) -> dict:
 
     from fairseq_megatron.fairseq_integration.trainer import build_trainer
     from fairseq_megatron.parallel import parallel_state
-    from fairseq_megatron.parallel.layout import ParallelLayout
     from fairseq_megatron.training import memory
 
     if cpu:
@@ -259,7 +258,7 @@ def _measure(rank, row, shape, cpu, iterations, seed, init_file) -> dict:
         "--distributed-init-method", f"file://{init_file}", "--distributed-backend", "gloo" if cpu else "nccl",
         "--device-id", str(0 if cpu else rank)])
     sizes = (row.tensor, row.pipeline, row.context)
-    parallel_state.launch_layout(ParallelLayout(row.world_size, *sizes))  # fairseq's distributed_init builds it
+    parallel_state.launch_layout(*sizes)  # fairseq's distributed_init builds the layout of these sizes
     if row.world_size > 1:
         distributed_utils.distributed_init(cfg)
     parallel_state.ensure_model_parallel(*sizes)

@@ -46,7 +46,6 @@ processes, and gathering on CPU.
 import atexit
 import contextlib
 import functools
-import math
 import os
 import socket
 import sys
@@ -61,7 +60,7 @@ from fairseq.utils import safe_getattr
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.fairseq_integration.patching import fairseq_tool, original, plugin_on_command_line, replace
 from fairseq_megatron.parallel import parallel_state
-from fairseq_megatron.parallel.layout import ParallelLayout
+from fairseq_megatron.parallel.layout import SIZES, check_size
 from fairseq_megatron.training.data_parallel import data_parallel_class
 
 _TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
@@ -172,21 +171,6 @@ def main_in_its_layout(main, sizes, cfg, **kwargs):
     return main(cfg, **kwargs)
 
 
-def _launch_layout(cfg, sizes) -> None:
-    """This process's layout of the parallel ``sizes``, in the world its
-    launch starts (one process without a launcher), for fairseq's
-    ``distributed_init`` to build the groups of
-    (:func:`~fairseq_megatron.parallel.parallel_state.launch_layout`).
-
-    Raises:
-        UsageError: a world size the sizes do not divide, or sizes above 1
-            in one process (:class:`~fairseq_megatron.parallel.layout.ParallelLayout`).
-    """
-    launch = cfg.distributed_training
-    world = launch.distributed_world_size if launch.distributed_init_method is not None else 1
-    parallel_state.launch_layout(ParallelLayout(world, *sizes))
-
-
 @functools.lru_cache(maxsize=None)  # registered once per process
 def _forget_fairseqs_global_group_at_exit() -> None:
     """fairseq keeps a group of the whole world on a function attribute
@@ -206,14 +190,14 @@ def _distributed_main_with_the_plugin(index: int, main, cfg, kwargs, sizes=None)
     before the excepthook would); the parent then reports the exit status.
     ``sizes``: in a run of our models, the parallel sizes :func:`call_main`
     read; the process then ends with its launcher
-    (:func:`_exit_with_the_launcher`) and takes its layout
-    (:func:`_launch_layout`)."""
+    (:func:`_exit_with_the_launcher`) and takes them for its layout
+    (:func:`~fairseq_megatron.parallel.parallel_state.launch_layout`)."""
     from fairseq_megatron.fairseq_integration.one_line_errors import printed_as_one_line
 
     try:
         if sizes is not None:
             _exit_with_the_launcher()
-            _launch_layout(cfg, sizes)
+            parallel_state.launch_layout(*sizes)
         distributed_utils.distributed_main(index, main, cfg, kwargs)
     except Exception as e:
         if printed_as_one_line(e):
@@ -257,8 +241,8 @@ def call_main(cfg, main, **kwargs):
 
     In a run of our models (:func:`runs_our_models`), the parallel sizes
     are read from ``cfg`` here, once, and checked; every process then takes
-    its layout of them (:func:`_launch_layout`) and has its groups built
-    before ``main`` runs (:func:`main_in_its_layout`).
+    them for its layout (:func:`~fairseq_megatron.parallel.parallel_state.launch_layout`)
+    and has its groups built before ``main`` runs (:func:`main_in_its_layout`).
 
     Raises:
         UsageError: in a run of our models, a parallel size below 1, or an
@@ -271,7 +255,8 @@ def call_main(cfg, main, **kwargs):
     if ours:
         from fairseq_megatron.fairseq_integration.option_values import check_option_values
 
-        ParallelLayout(math.prod(sizes), *sizes)  # each size at least 1, before anything starts
+        for name, size in zip(SIZES, sizes):  # each at least 1, before anything starts; the rest in each process
+            check_size(name, size)
         check_option_values(cfg)  # fairseq's own numbers, beside our sizes
         main = functools.partial(main_in_its_layout, main, sizes)
     if ours and os.environ.get("TORCHELASTIC_RUN_ID"):  # a rank that torchrun started
@@ -288,7 +273,7 @@ def call_main(cfg, main, **kwargs):
         distributed_utils.infer_init_method(launch)  # what fairseq's call_main does first
     if launch.distributed_init_method is None or launch.distributed_no_spawn or cfg.common.tpu:
         if ours:
-            _launch_layout(cfg, sizes)
+            parallel_state.launch_layout(*sizes)
         return original(distributed_utils, "call_main")(cfg, main, **kwargs)
     # fairseq's spawn, of processes that load this plugin first
     nprocs = launch.distributed_num_procs if torch.cuda.device_count() == 0 else \

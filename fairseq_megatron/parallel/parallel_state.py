@@ -43,7 +43,7 @@ import datetime
 import functools
 import sys
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch.distributed as dist
 # Before any world starts: its functions take ``group.WORLD`` as a default argument, evaluated at import;
@@ -109,18 +109,19 @@ class ProcessGroups:
 
 _SINGLE_PROCESS = ProcessGroups(ParallelLayout(1), Coordinates(0, 0, 0, 0), None, *([RankGroup()] * 6), (0,))
 _state: Optional[ProcessGroups] = None
-_launched: Optional[ParallelLayout] = None  # this process's layout, until its groups are built (see launch_layout)
+_launched: Optional[Tuple[int, int, int]] = None  # this process's launch sizes, until its groups exist (launch_layout)
 
 
-def launch_layout(layout: ParallelLayout) -> None:
-    """Take ``layout``, built once from this process's launch configuration,
-    as the layout whose groups the next :func:`initialize_model_parallel`
-    with the tensor-parallel size alone builds: fairseq's ``distributed_init``
+def launch_layout(tensor: int, pipeline: int = 1, context: int = 1) -> None:
+    """Take the parallel sizes this process's launch read from its
+    configuration (once: :func:`fairseq_megatron.fairseq_integration.distributed.launch_sizes`)
+    as those of the layout the next :func:`initialize_model_parallel` with
+    the tensor-parallel size alone builds: fairseq's ``distributed_init``
     starts torch.distributed and then calls it so, with
     ``--model-parallel-size`` as its one argument
     (``fairseq/distributed/utils.py``). Kept until the groups are built."""
     global _launched
-    _launched = layout
+    _launched = (tensor, pipeline, context)
 
 
 def _device_type() -> str:
@@ -185,13 +186,15 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     tensor = tensor_model_parallel_size
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if distributed else 1
-    layout = _launched if pipeline_model_parallel_size is None else None
-    if layout is None:
-        layout = ParallelLayout(world, tensor, 1 if pipeline_model_parallel_size is None else pipeline_model_parallel_size,
-                                context_parallel_size)
-    elif layout.tensor != tensor or layout.world_size != world:
-        raise UsageError(f"the model-parallel groups asked for --model-parallel-size {tensor} in a world of {world}, "
-                         f"and this run was launched for {layout.tensor} in a world of {layout.world_size}")
+    if pipeline_model_parallel_size is None and _launched is not None:
+        if _launched[0] != tensor:
+            raise UsageError(f"the model-parallel groups were asked for --model-parallel-size {tensor}, and this run "
+                             f"was launched with {_launched[0]}")
+        sizes = _launched
+    else:
+        sizes = (tensor, 1 if pipeline_model_parallel_size is None else pipeline_model_parallel_size,
+                 context_parallel_size)
+    layout = ParallelLayout(world, *sizes)  # the one check of the sizes, in the world that runs them
     destroy_model_parallel()
     _launched = None
     if not distributed:

@@ -4,8 +4,9 @@
   :func:`~fairseq_megatron.fairseq_integration.trainer.build_trainer`, which
   picks our :class:`~fairseq_megatron.fairseq_integration.trainer.MegatronTrainer`
   for our models at every model-parallel size and fairseq's classes otherwise.
-- ``main`` checks the launch before it writes anything (the parallel
-  sizes were checked before it, where the layout is built): fairseq's
+- ``main`` checks the training options and the launch before it writes
+  anything (the parallel sizes were checked before it, where the layout is
+  built; the model's options while fairseq parsed them): fairseq's
   ``main`` creates ``--save-dir`` (and writes a probe file into it) first,
   and ``--ddp-backend fully_sharded`` with fairscale-only options failed
   after building the model (:meth:`~fairseq_megatron.training.data_parallel.DataParallel.check`);
@@ -13,8 +14,7 @@
   tracebacks after building it; a ``--save-dir`` with a file in its path
   was "Not a directory: '<save-dir>/dummy'", and a read-only one a logged
   warning and a traceback; ``--fp8`` without torchao or a float8 GPU is
-  refused here too. (The model's own option checks already run while
-  fairseq parses the command line.) It then holds the save dir's lock for
+  refused here too. It then holds the save dir's lock for
   the run (:mod:`.save_dir`): a second run with the same ``--save-dir`` is
   one line. The refusals that need the task or a checkpoint (a dict.txt
   other than the checkpoint's, training samples all longer than the model's
@@ -35,7 +35,7 @@ import os
 
 from fairseq import distributed_utils
 
-from fairseq_megatron.fairseq_integration.patching import original, replace_in_cli_module
+from fairseq_megatron.fairseq_integration.patching import ModuleWith, original, replace_in_cli_module
 from fairseq_megatron.fairseq_integration.trainer import build_trainer, is_our_model
 
 logger = logging.getLogger(__name__)
@@ -55,8 +55,7 @@ def main(cfg, **kwargs):
     from fairseq_megatron.models.model_parallel_transformer_lm import is_model_parallel_arch
     from fairseq_megatron.training.data_parallel import data_parallel_class
     from fairseq_megatron.training.float8 import check_fp8_environment
-    from fairseq_megatron.training.options import check_training_precision
-    from fairseq_megatron.modules import sharding
+    from fairseq_megatron.training.options import check_training_options, check_training_precision
     from fairseq_megatron.fairseq_integration.save_dir import check_writable, one_run_at_a_time
     from fairseq_megatron.parallel import parallel_state
 
@@ -71,6 +70,7 @@ def main(cfg, **kwargs):
         return run(cfg, **kwargs)
     check_directory_can_be_made(cfg.checkpoint.save_dir, f"--save-dir {cfg.checkpoint.save_dir}")
     layout = parallel_state.get_parallel_layout()  # built from cfg at launch, its sizes checked there
+    check_training_options(cfg.model)  # fairseq-train's options, all in the model's config for our archs
     data_parallel = data_parallel_class(cfg.distributed_training)
     data_parallel.check(cfg, layout.pipeline, layout.data, layout.context)
     check_training_precision(cfg.common, fp32_parameters=data_parallel.keeps_fp32_parameters)
@@ -80,8 +80,7 @@ def main(cfg, **kwargs):
     master = distributed_utils.is_master(cfg.distributed_training)
     made = directories_missing(cfg.checkpoint.save_dir) if master else []
     try:
-        # fairseq builds the model before it looks for a checkpoint: its draws wait (MegatronTrainer runs them)
-        with one_run_at_a_time(cfg.checkpoint.save_dir, master, made), sharding.checkpoint_may_fill_weights():
+        with one_run_at_a_time(cfg.checkpoint.save_dir, master, made):
             return run(cfg, **kwargs)
     except BaseException:
         remove_while_empty(made)
@@ -121,6 +120,19 @@ def remove_while_empty(directories: list) -> None:
             return
 
 
+def setup_task(cfg, **kwargs):
+    """fairseq's ``tasks.setup_task`` in fairseq-train: the task its ``main``
+    builds the model with, which then tells our model that its initial
+    weights can wait (``initial_weights_may_be_loaded``): fairseq builds
+    the model before it looks for a checkpoint, and ``MegatronTrainer``
+    draws them only if no checkpoint fills them. Other models read nothing."""
+    from fairseq import tasks
+
+    task = tasks.setup_task(cfg, **kwargs)
+    task.initial_weights_may_be_loaded = True
+    return task
+
+
 def fsdp_wrap(module, *args, **kwargs):
     """fairseq-train's ``fsdp_wrap`` (``fairseq/distributed/fully_sharded_data_parallel.py``)
     of the model it builds under ``--ddp-backend fully_sharded``: our models
@@ -139,5 +151,9 @@ def install() -> None:
     replace_in_cli_module(_MODULE, "MegatronTrainer", build_trainer, why)
     replace_in_cli_module(_MODULE, "main", main, "our launch checked before --save-dir is written")
     replace_in_cli_module(_MODULE, "train", train, "a finished run of ours trains and saves nothing")
+    from fairseq import tasks
+
+    replace_in_cli_module(_MODULE, "tasks", ModuleWith(tasks, setup_task=setup_task),
+                          "the task fairseq-train builds our model with defers its initial weights to the trainer")
     replace_in_cli_module(_MODULE, "fsdp_wrap", fsdp_wrap,
                           "our models are sharded by torch's FSDP2 (MegatronTrainer), not fairscale's FSDP")

@@ -1,10 +1,9 @@
 """The options of our model: the checks that refuse what it cannot be built
-or trained with, and the dictionary padding that depends on the
-model-parallel size. The architecture functions call :func:`check_options`
-while fairseq parses its command line; ``build_model`` calls the rest;
-fairseq-train's start (:mod:`fairseq_megatron.fairseq_integration.train`)
-calls the launch checks before it writes anything. The parallel sizes
-themselves are checked where the layout is built
+with, and the dictionary padding that depends on the model-parallel size.
+The architecture functions call :func:`check_options` while fairseq parses
+its command line; ``build_model`` calls the rest. The training options are
+checked by training (:mod:`fairseq_megatron.training.options`), the
+parallel sizes where the layout is built
 (:class:`fairseq_megatron.parallel.layout.ParallelLayout`).
 """
 
@@ -13,7 +12,8 @@ from typing import Optional, Sequence
 from fairseq.utils import safe_getattr
 
 from fairseq_megatron.errors import UsageError
-from fairseq_megatron.models.pipeline_stage import PipelineStageLayout, pipeline_stages, virtual_stages
+from fairseq_megatron.models.pipeline_stage import pipeline_stages
+from fairseq_megatron.parallel.layout import check_size
 
 
 def split_dimensions(heads: Optional[int], ffn: Optional[int], padded_vocab: Optional[int] = None):
@@ -102,11 +102,14 @@ def pad_dictionary(dictionary, model_parallel_size: int, padded_vocab_size: Opti
 
 
 def check_options(args, model_parallel_size: int) -> None:
-    """Refuse options this model cannot be built or trained with, from the
-    options alone: sizes the model-parallel size does not divide, conflicting
-    precision flags, ``--cuda-graphs`` with gradient accumulation, what
-    ``--fp8`` does not run with (:func:`check_fp8_options`), and
-    transformer_lm options the layers do not implement.
+    """Refuse options this model cannot be built with, from the options
+    alone: sizes the model-parallel size does not divide, what context
+    parallelism (:func:`check_context_parallel_options`) and ``--fp8``
+    (:func:`check_fp8_options`) need of the model, its batches and its
+    loss, and transformer_lm options the layers do not implement. The training
+    options are training's to check
+    (:func:`fairseq_megatron.training.options.check_training_options`), the
+    parallel sizes the layout's.
 
     fairseq's parser gives our archs every transformer_lm option; these the
     layers would ignore: NormFormer's scalings (``--scale-attn``,
@@ -131,24 +134,57 @@ def check_options(args, model_parallel_size: int) -> None:
     if args.decoder_embed_dim % args.decoder_attention_heads != 0:
         raise UsageError(f"--decoder-embed-dim {args.decoder_embed_dim} is not divisible by "
                          f"--decoder-attention-heads {args.decoder_attention_heads}")
-    if safe_getattr(args, "bf16_autocast", False):
-        half = [f"--{f.replace('_', '-')}" for f in ("fp16", "memory_efficient_fp16", "amp")
-                if safe_getattr(args, f, False)]
-        if half:
-            raise UsageError(f"--bf16-autocast trains fp32 weights under bf16 autocast; drop {' '.join(half)}")
-    accumulated = max(safe_getattr(args, "update_freq", None) or [1])
-    if safe_getattr(args, "cuda_graphs", False) and accumulated > 1:
-        # The backward graph's weight gradients live in the graphs' memory
-        # pool; the next micro-batch's replay overwrites the gradient being
-        # accumulated (pytorch/pytorch#96693: silently wrong sums).
-        raise UsageError(
-            f"--cuda-graphs with --update-freq {accumulated}: a CUDA graph replay would overwrite "
-            "the gradients being accumulated; use --update-freq 1 (a larger --batch-size instead)"
-        )
-    check_pipeline_options(args)
-    check_fp8_options(args, model_parallel_size)
     check_context_parallel_options(args)
+    check_fp8_options(args, model_parallel_size)
     check_implemented(args)
+
+
+def check_context_parallel_options(args) -> None:
+    """Refuse context parallelism that cannot split the sequences, from the options alone.
+
+    Each of the ``C`` ranks holds two of ``2C`` equal chunks of every
+    sequence, so ``--tokens-per-sample`` must divide by ``2C`` (a shorter
+    batch is padded); the ranks split blocks of that many tokens, which
+    ``--sample-break-mode none`` makes (the other modes make padded batches
+    of sentences, whose later chunks would hold mostly padding); each rank
+    computes the loss of its own positions from its vocabulary shard with
+    ``vocab_parallel_cross_entropy``, which counts each sequence once over
+    the ``C`` ranks. The training options are checked where ``args`` holds
+    them.
+
+    Raises:
+        UsageError: the first refusal, naming the option to change.
+    """
+    context = safe_getattr(args, "context_parallel_size", None)
+    context = 1 if context is None else int(context)
+    check_size("context", context)
+    if context == 1:
+        return
+    length = safe_getattr(args, "tokens_per_sample", None)
+    if length is not None and length % (2 * context):
+        raise UsageError(f"--tokens-per-sample {length} is not divisible by 2 x --context-parallel-size {context} "
+                         f"= {2 * context}: each of the {context} ranks holds 2 of {2 * context} equal chunks "
+                         f"of a sequence")
+    check_blocks_and_loss(args, f"--context-parallel-size {context}", "the ranks split blocks of "
+                           "--tokens-per-sample tokens", "each rank computes the loss of its own positions")
+
+
+def check_blocks_and_loss(args, given: str, why_blocks: str, why_loss: str) -> None:
+    """What splitting a batch between ranks (``given``: the flag and its
+    value) needs of the data and the loss: ``--sample-break-mode none``
+    (``why_blocks``) and the ``vocab_parallel_cross_entropy`` criterion
+    (``why_loss``).
+
+    Raises:
+        UsageError: another break mode or criterion.
+    """
+    break_mode = safe_getattr(args, "sample_break_mode", None)
+    if break_mode is not None and break_mode != "none":
+        raise UsageError(f"--sample-break-mode {break_mode} with {given}: {why_blocks}; use --sample-break-mode none")
+    criterion = safe_getattr(args, "criterion", None)
+    if criterion is not None and criterion != "vocab_parallel_cross_entropy":
+        raise UsageError(f"--criterion {criterion} with {given}: {why_loss}; use --criterion "
+                         f"vocab_parallel_cross_entropy")
 
 
 def check_implemented(args) -> None:
@@ -178,105 +214,9 @@ def check_implemented(args) -> None:
         )
 
 
-def check_context_parallel_options(args) -> None:
-    """Refuse context parallelism that cannot split the sequences, from the options alone.
-
-    Each of the ``C`` ranks holds two of ``2C`` equal chunks of every
-    sequence, so ``--tokens-per-sample`` must divide by ``2C`` (a shorter
-    batch is padded); the ranks split blocks of that many tokens, which
-    ``--sample-break-mode none`` makes (the other modes make padded batches
-    of sentences, whose later chunks would hold mostly padding); each rank
-    computes the loss of its own positions from its vocabulary shard with
-    ``vocab_parallel_cross_entropy``, which counts each sequence once over
-    the ``C`` ranks. The training options are checked where ``args`` holds
-    them.
-
-    Raises:
-        UsageError: the first refusal, naming the option to change.
-    """
-    context = safe_getattr(args, "context_parallel_size", None)
-    context = 1 if context is None else int(context)
-    if context < 1:
-        raise UsageError(f"--context-parallel-size {context}: the number of context-parallel ranks is at least 1")
-    if context == 1:
-        return
-    length = safe_getattr(args, "tokens_per_sample", None)
-    if length is not None and length % (2 * context):
-        raise UsageError(f"--tokens-per-sample {length} is not divisible by 2 x --context-parallel-size {context} "
-                         f"= {2 * context}: each of the {context} ranks holds 2 of {2 * context} equal chunks "
-                         f"of a sequence")
-    _check_blocks_and_loss(args, f"--context-parallel-size {context}", "the ranks split blocks of "
-                           "--tokens-per-sample tokens", "each rank computes the loss of its own positions")
-
-
-def check_pipeline_options(args) -> None:
-    """Refuse a pipeline that cannot be built or scheduled, from the options alone.
-
-    The decoder layers are split evenly over the stages (and their model
-    chunks, ``--virtual-pipeline-model-parallel-size``); one update's
-    micro-batches (``--update-freq``) go through torch's 1F1B schedule,
-    which needs at least one per stage (interleaved: a multiple of the
-    stages, Megatron-Core's rule); every micro-batch must have the
-    shape the stages' buffers were made for, which only fairseq's
-    ``--sample-break-mode none`` gives (full blocks of
-    ``--tokens-per-sample``); the last stage computes the loss on its
-    vocabulary shard, so the criterion is ``vocab_parallel_cross_entropy``.
-    The training options are checked only where ``args`` holds them (a
-    command line of fairseq-train; a checkpoint's config loaded for
-    evaluation has one stage).
-
-    Raises:
-        UsageError: the first refusal, naming the option to change.
-    """
-    stages, virtual = pipeline_stages(args), virtual_stages(args)
-    if stages < 1:
-        raise UsageError(f"--pipeline-model-parallel-size {stages}: the number of pipeline stages is at least 1")
-    if virtual < 1 or (virtual > 1 and stages == 1):
-        raise UsageError(f"--virtual-pipeline-model-parallel-size {virtual}: the number of model chunks per stage "
-                         f"is at least 1, and above 1 only with --pipeline-model-parallel-size above 1")
-    if stages == 1:
-        return
-    PipelineStageLayout(0, stages, int(args.decoder_layers), False, virtual)  # refuses an uneven split
-    micro_batches = safe_getattr(args, "update_freq", None)
-    if micro_batches is not None and max(micro_batches) < stages:
-        raise UsageError(f"--update-freq {max(micro_batches)} is below --pipeline-model-parallel-size {stages}: "
-                         f"the 1F1B schedule runs the update's --update-freq micro-batches and needs at least "
-                         f"one per stage")
-    if micro_batches is not None and virtual > 1 and max(micro_batches) % stages:
-        raise UsageError(f"--update-freq {max(micro_batches)} is not divisible by --pipeline-model-parallel-size "
-                         f"{stages}: the interleaved schedule (--virtual-pipeline-model-parallel-size {virtual}) "
-                         f"runs the micro-batches in rounds of one per stage")
-    _check_blocks_and_loss(args, f"--pipeline-model-parallel-size {stages}", "the stages exchange micro-batches "
-                           "of one shape", "the last stage computes the loss on its vocabulary shard")
-    unsupported = [f"--{flag.replace('_', '-')}" for flag in ("amp", "cuda_graphs")
-                   if safe_getattr(args, flag, False)]
-    if safe_getattr(args, "decoder_layerdrop", 0):
-        unsupported.append(f"--decoder-layerdrop {args.decoder_layerdrop}")
-    if unsupported:
-        raise UsageError(f"{' '.join(unsupported)}: not supported with --pipeline-model-parallel-size {stages}")
-
-
 # torch._scaled_mm, the float8 GEMM, needs both dimensions of its second
 # operand divisible by 16; torchao pads nothing unless told to.
 FLOAT8_GEMM_MULTIPLE = 16
-
-
-def _check_blocks_and_loss(args, given: str, why_blocks: str, why_loss: str) -> None:
-    """What splitting a batch between ranks (``given``: the flag and its
-    value) needs of the data and the loss: ``--sample-break-mode none``
-    (``why_blocks``) and the ``vocab_parallel_cross_entropy`` criterion
-    (``why_loss``).
-
-    Raises:
-        UsageError: another break mode or criterion.
-    """
-    break_mode = safe_getattr(args, "sample_break_mode", None)
-    if break_mode is not None and break_mode != "none":
-        raise UsageError(f"--sample-break-mode {break_mode} with {given}: {why_blocks}; use --sample-break-mode none")
-    criterion = safe_getattr(args, "criterion", None)
-    if criterion is not None and criterion != "vocab_parallel_cross_entropy":
-        raise UsageError(f"--criterion {criterion} with {given}: {why_loss}; use --criterion "
-                         f"vocab_parallel_cross_entropy")
 
 
 def check_fp8_options(args, model_parallel_size: int) -> None:

@@ -12,7 +12,9 @@ the rest for this rank's groups, each from its own module:
 2. float8 products (:mod:`.float8`), then per-layer compilation or the
    compiled layer stack, and CUDA graphs (:mod:`.compile`);
 3. activation checkpointing and offload (:mod:`.activation_checkpointing`),
-   after compilation so that the recompute replays the compiled forward;
+   after compilation so that the recompute replays the compiled forward
+   (torchtitan compiles the checkpointed block instead; the recompute here
+   swaps the RNG tracker's streams, which dynamo does not trace);
 4. bf16 autocast (:mod:`.autocast`), of the decoder and, with pipeline
    stages, of the modules torch's schedule runs, one per model chunk
    (:class:`~fairseq_megatron.training.pipeline_schedule.ChunkModule`);
@@ -43,6 +45,7 @@ from fairseq_megatron.training.compile import apply_compile, raise_cuda_graphs_n
 from fairseq_megatron.training.context_parallel import apply_context_parallel
 from fairseq_megatron.training.data_parallel import DataParallel, data_parallel_class
 from fairseq_megatron.training.float8 import apply_float8
+from fairseq_megatron.training.options import check_training_options
 from fairseq_megatron.training.pipeline_schedule import ChunkModule
 from fairseq_megatron.training.pipeline_split import split_for_stage
 
@@ -73,10 +76,12 @@ def parallelize(model: nn.Module, groups: ProcessGroups, cfg) -> Parallelized:
     ``cfg.common``: the precision.
 
     Raises:
-        UsageError: ``--cuda-graphs`` without the compiled layer stack;
+        UsageError: what :func:`~fairseq_megatron.training.options.check_training_options`
+            refuses; ``--cuda-graphs`` without the compiled layer stack;
             ``--fp8`` without torchao.
     """
     args = cfg.model
+    check_training_options(args)
     stage = PipelineStageLayout.of(args, groups.pipeline.rank)
     split_for_stage(model, stage)
     model.materialize()

@@ -149,10 +149,9 @@ class PipelineSchedule:
     ``micro_batches``: ``m``, the update's ``--update-freq``; ``rows`` x
     ``length``: the micro-batch shape ``(B, T)``; ``pad``: the padding index. With model chunks
     (``stage.virtual`` > 1) the schedule is torch's ``ScheduleInterleaved1F1B``
-    (Narayanan et al. 2021, section 2.2.2).
-
-    Raises (on construction):
-        UsageError: fewer micro-batches than stages.
+    (Narayanan et al. 2021, section 2.2.2). The options it needs (at least
+    one micro-batch per stage, full blocks) are checked before it is built
+    (:func:`~fairseq_megatron.training.options.check_pipeline_options`).
     """
 
     def __init__(self, model, stage: PipelineStageLayout, chunk_modules, micro_batches: int, rows: int, length: int,
@@ -160,9 +159,6 @@ class PipelineSchedule:
         self.model = model
         self.stage = stage
         self.chunk_modules = list(chunk_modules)  # what torch's PipelineStage runs, one per model chunk
-        if micro_batches < self.stage.stages:
-            raise UsageError(f"--update-freq {micro_batches} is below --pipeline-model-parallel-size "
-                             f"{self.stage.stages}: the 1F1B schedule needs at least one micro-batch per stage")
         self.micro_batches, self.rows, self.length, self.pad = micro_batches, rows, length, pad
         self.group = parallel_state.get_pipeline_model_parallel_group()
         self.last_rank = parallel_state.get_pipeline_model_parallel_ranks()[-1]

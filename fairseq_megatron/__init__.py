@@ -27,8 +27,11 @@ carry it instead:
   size alone, and the patient group of fairseq-interactive) and the RNG
   tracker (:mod:`fairseq_megatron.parallel.rng_tracker`): Megatron's
   process-wide API, which fairseq imports as ``mpu``;
-- ``modules.sharding._deferred``: the layers' constructors, called by
-  fairseq's decoder, take no argument that could say "defer your draws";
+- ``modules.sharding._deferred`` and ``_may_be_loaded``: the layers'
+  constructors, called by fairseq's decoder, take no argument that could
+  say "defer your draws", and fairseq-train builds the model through any
+  task (fairseq's own too), with no argument that could say "the trainer
+  fills the weights";
 - ``checkpoint.reading._prepared``: the checkpoints prepared in memory
   (resharded, or read once) under the names fairseq's loaders are handed,
   which take a file name alone;

@@ -8,8 +8,7 @@ and otherwise calls fairseq's. For our models:
 
 - :meth:`build_model` tells the model when a checkpoint's weights will fill
   it (every load of a checkpoint), so that it draws no initial weights for
-  them (fairseq-train says so of its task for every build: its trainer
-  draws them when no checkpoint fills them).
+  them.
 - Data is sharded by data-parallel rank, not by global rank: fairseq-eval-lm
   and fairseq-generate shard by world size and rank, so the ranks of one
   model-parallel group saw different batches. Every sample is scored once, by
@@ -81,11 +80,9 @@ class LanguageModelingTask(FairseqLanguageModelingTask):
     """Whether the last model this task built is one of ours."""
 
     initial_weights_may_be_loaded = False
-    """Read by our model's ``build_model``: a checkpoint's weights, or the
-    trainer's draws, will fill the model, so drawing its own can wait (set
-    while :meth:`build_model` builds one for a checkpoint, and by
-    fairseq-train for the task it builds with:
-    :func:`fairseq_megatron.fairseq_integration.train.setup_task`)."""
+    """Read by our model's ``build_model``: a checkpoint's weights will fill
+    the model, so drawing its own can wait (set while :meth:`build_model`
+    builds one for a checkpoint)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -100,12 +97,11 @@ class LanguageModelingTask(FairseqLanguageModelingTask):
         if not is_model_parallel_arch(_arch(cfg)):
             self.builds_our_model = False
             return super().build_model(cfg, from_checkpoint)
-        previous = self.initial_weights_may_be_loaded
-        self.initial_weights_may_be_loaded = previous or from_checkpoint
+        self.initial_weights_may_be_loaded = from_checkpoint
         try:
             model = super().build_model(cfg, from_checkpoint)
         finally:
-            self.initial_weights_may_be_loaded = previous
+            self.initial_weights_may_be_loaded = False
         self.builds_our_model = True
         if dist.is_initialized() and dist.get_rank() != 0:
             logging.getLogger().setLevel(logging.WARNING)  # fairseq's rule, which fairseq-validate resets

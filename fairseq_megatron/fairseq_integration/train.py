@@ -35,7 +35,7 @@ import os
 
 from fairseq import distributed_utils
 
-from fairseq_megatron.fairseq_integration.patching import ModuleWith, original, replace_in_cli_module
+from fairseq_megatron.fairseq_integration.patching import original, replace_in_cli_module
 from fairseq_megatron.fairseq_integration.trainer import build_trainer, is_our_model
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ def main(cfg, **kwargs):
     from fairseq_megatron.training.float8 import check_fp8_environment
     from fairseq_megatron.training.options import check_training_options, check_training_precision
     from fairseq_megatron.fairseq_integration.save_dir import check_writable, one_run_at_a_time
+    from fairseq_megatron.modules import sharding
     from fairseq_megatron.parallel import parallel_state
 
     run = original(_cli(), "main")
@@ -80,7 +81,8 @@ def main(cfg, **kwargs):
     master = distributed_utils.is_master(cfg.distributed_training)
     made = directories_missing(cfg.checkpoint.save_dir) if master else []
     try:
-        with one_run_at_a_time(cfg.checkpoint.save_dir, master, made):
+        # fairseq builds the model before it looks for a checkpoint: its draws wait (MegatronTrainer runs them)
+        with one_run_at_a_time(cfg.checkpoint.save_dir, master, made), sharding.checkpoint_may_fill_weights():
             return run(cfg, **kwargs)
     except BaseException:
         remove_while_empty(made)
@@ -120,19 +122,6 @@ def remove_while_empty(directories: list) -> None:
             return
 
 
-def setup_task(cfg, **kwargs):
-    """fairseq's ``tasks.setup_task`` in fairseq-train: the task its ``main``
-    builds the model with, which then tells our model that its initial
-    weights can wait (``initial_weights_may_be_loaded``): fairseq builds
-    the model before it looks for a checkpoint, and ``MegatronTrainer``
-    draws them only if no checkpoint fills them. Other models read nothing."""
-    from fairseq import tasks
-
-    task = tasks.setup_task(cfg, **kwargs)
-    task.initial_weights_may_be_loaded = True
-    return task
-
-
 def fsdp_wrap(module, *args, **kwargs):
     """fairseq-train's ``fsdp_wrap`` (``fairseq/distributed/fully_sharded_data_parallel.py``)
     of the model it builds under ``--ddp-backend fully_sharded``: our models
@@ -151,9 +140,5 @@ def install() -> None:
     replace_in_cli_module(_MODULE, "MegatronTrainer", build_trainer, why)
     replace_in_cli_module(_MODULE, "main", main, "our launch checked before --save-dir is written")
     replace_in_cli_module(_MODULE, "train", train, "a finished run of ours trains and saves nothing")
-    from fairseq import tasks
-
-    replace_in_cli_module(_MODULE, "tasks", ModuleWith(tasks, setup_task=setup_task),
-                          "the task fairseq-train builds our model with defers its initial weights to the trainer")
     replace_in_cli_module(_MODULE, "fsdp_wrap", fsdp_wrap,
                           "our models are sharded by torch's FSDP2 (MegatronTrainer), not fairscale's FSDP")

@@ -261,8 +261,7 @@ def _pipeline_schedule(cfg, task, model, parallelized: Parallelized) -> Pipeline
     ``--max-tokens / --tokens-per-sample``) rows of ``--tokens-per-sample`` tokens.
 
     Raises:
-        UsageError: neither ``--batch-size`` nor ``--max-tokens``; fewer
-            micro-batches than stages.
+        UsageError: neither ``--batch-size`` nor ``--max-tokens``.
     """
     length = cfg.task.tokens_per_sample
     rows = cfg.dataset.batch_size or (cfg.dataset.max_tokens or 0) // length

@@ -63,9 +63,10 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         rank ``k`` of ``T`` without process groups), built once, its initial
         weights drawn now, or, where the builder fills them itself
         (``task.initial_weights_may_be_loaded``: our ``language_modeling``
-        task for every load of a checkpoint, and fairseq-train's task, whose
-        trainer draws them when no checkpoint fills them), only then. The
-        sharded weights of such a
+        task for every load of a checkpoint; fairseq-train's start, whose
+        trainer draws them when no checkpoint fills them:
+        :func:`~fairseq_megatron.modules.sharding.weights_may_be_loaded`), only
+        then. The sharded weights of such a
         build are on the ``meta`` device until :meth:`materialize`;
         :meth:`load_state_dict` materializes them and drops the draws for a
         strict load, draws them first for a partial one, and
@@ -81,7 +82,8 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
                 during a deferred build (its draws would come out of order).
         """
         tensor_parallel = parallel_state.resolve_tensor_parallel(tensor_parallel)
-        if not getattr(task, "initial_weights_may_be_loaded", False) or draws_while_built(args):
+        later = getattr(task, "initial_weights_may_be_loaded", False) or sharding.weights_may_be_loaded()
+        if not later or draws_while_built(args):
             return cls._build(args, task, tensor_parallel)
         with sharding.initialisation_deferred() as deferred:
             model = cls._build(args, task, tensor_parallel)

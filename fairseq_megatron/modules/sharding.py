@@ -156,6 +156,28 @@ class DeferredInitialisation:
 # The queue of the build in progress: the layers' constructors, which fairseq's decoder calls with arguments of
 # its own, take no argument that could carry it.
 _deferred: Optional[DeferredInitialisation] = None
+# Whether fairseq-train's build is in progress, which draws nothing: fairseq builds the model through any task
+# (its own dummy_lm too), with no argument that could say so, before the trainer looks for a checkpoint.
+_may_be_loaded = False
+
+
+@contextlib.contextmanager
+def checkpoint_may_fill_weights() -> Iterator[None]:
+    """Models built within this context may get their weights from a
+    checkpoint, so they defer their draws (``build_model`` asks
+    :func:`weights_may_be_loaded`). fairseq-train's start enters it: it
+    builds the model before it looks for a checkpoint to resume from."""
+    global _may_be_loaded
+    previous, _may_be_loaded = _may_be_loaded, True
+    try:
+        yield
+    finally:
+        _may_be_loaded = previous
+
+
+def weights_may_be_loaded() -> bool:
+    """Whether a :func:`checkpoint_may_fill_weights` context is open."""
+    return _may_be_loaded
 
 
 @contextlib.contextmanager

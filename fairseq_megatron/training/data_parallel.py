@@ -14,17 +14,13 @@ torchtitan's ``dp`` and ``dp_cp`` meshes are):
 How the gradients are averaged is fairseq's ``--ddp-backend``, read by
 :func:`data_parallel_class` alone; each backend is one class:
 
-========================  ==================================  =========================================
-``--ddp-backend``         class                               gradients
-========================  ==================================  =========================================
-``pytorch_ddp``, ``c10d`` :class:`DistributedDataParallel`    torch's DDP: buckets all-reduced during
-                                                              the backward pass
-``legacy_ddp``,           :class:`LegacyDistributedDataParallel`  fairseq's: all-reduced after the backward
-``no_c10d``                                                   pass, when the trainer asks
-``fully_sharded``         :class:`FullyShardedDataParallel`   torch's FSDP2: parameters, gradients and
-                                                              optimizer state sharded over the ranks
-``slowmo``                :class:`SlowMo`                     fairseq's SlowMo wrapper
-========================  ==================================  =========================================
+- ``pytorch_ddp``, ``c10d``: :class:`DistributedDataParallel`, torch's
+  DDP (buckets all-reduced during the backward pass);
+- ``legacy_ddp``, ``no_c10d``: :class:`LegacyDistributedDataParallel`,
+  fairseq's (all-reduced after the backward pass, when the trainer asks);
+- ``fully_sharded``: :class:`FullyShardedDataParallel`, torch's FSDP2
+  (parameters, gradients and optimizer state sharded over the ranks);
+- ``slowmo``: :class:`SlowMo`, fairseq's SlowMo wrapper.
 
 Each class checks the launch options it cannot run with (:meth:`DataParallel.check`,
 before any work), applies itself to the model (:meth:`DataParallel.apply`,
@@ -42,6 +38,7 @@ from fairseq.utils import safe_getattr
 
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.parallel.parallel_state import ProcessGroups, RankGroup
+from fairseq_megatron.training.fully_sharded import check_fully_sharded, gathered_state_dict, shard_model
 
 
 class DataParallel:
@@ -183,8 +180,6 @@ class FullyShardedDataParallel(DataParallel):
     def check(cls, cfg, stages, data_parallel_size, context_parallel_size=1):
         """As :meth:`DataParallel.check`, and what
         :func:`~fairseq_megatron.training.fully_sharded.check_fully_sharded` refuses."""
-        from fairseq_megatron.training.fully_sharded import check_fully_sharded
-
         super().check(cfg, stages, data_parallel_size, context_parallel_size)
         if cfg is not None:
             check_fully_sharded(cfg.distributed_training, cfg.common, cfg.ema, cfg.model, cfg.checkpoint)
@@ -193,8 +188,6 @@ class FullyShardedDataParallel(DataParallel):
         """``fully_shard`` each decoder layer and then each of ``roots``
         (:func:`~fairseq_megatron.training.fully_sharded.shard_model`) over
         the 1-D mesh of :attr:`gradients`."""
-        from fairseq_megatron.training.fully_sharded import shard_model
-
         mesh = self.groups.mesh
         mesh = mesh["dp_cp"] if self.groups.layout.context > 1 else mesh["dp"]
         shard_model(model, roots, mesh, cfg)
@@ -207,8 +200,6 @@ class FullyShardedDataParallel(DataParallel):
         """The model gathered whole one tensor at a time (kept where ``keep``;
         every rank takes part), and in place of the optimizer state the
         number of its shards (each rank saves its own)."""
-        from fairseq_megatron.training.fully_sharded import gathered_state_dict
-
         state["model"] = gathered_state_dict(state["model"], keep=keep)
         if state.pop("last_optimizer_state", None) is not None:
             state["optimizer_shards"] = self.optimizer_shards

@@ -127,16 +127,16 @@ class Throughput:
         ``--tokens-per-sample``; ``--cpu``)."""
         args = cfg.model
         seq_len = safe_getattr(getattr(cfg, "task", None), "tokens_per_sample", None) or args.max_target_positions
-        flops = model_flops_per_token(whole_model_parameters(model, tensor_parallel_size), int(args.decoder_layers),
-                                      int(args.decoder_embed_dim), int(seq_len))
+        parameters = whole_model_parameters(model, tensor_parallel_size)
+        flops = model_flops_per_token(parameters, int(args.decoder_layers), int(args.decoder_embed_dim), int(seq_len))
         on_gpu = torch.cuda.is_available() and not cfg.common.cpu
         name = torch.cuda.get_device_name() if on_gpu else None
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2 ** 30 if on_gpu else None
         throughput = cls(flops, world_size, name, total)
-        peak = f"{name}: {throughput.peak:g} TFLOP/s dense bf16/fp16" if throughput.peak else (
-            f"{name}: not in the table of peak rates, no MFU" if name else "the CPU: no MFU")
-        logger.info(f"throughput: {flops:.4g} model FLOPs per token (6 N + 12 L h s), per rank of {world_size}; "
-                    f"peak of {peak}")
+        mfu = (f"MFU of {name}'s {throughput.peak:g} TFLOP/s dense bf16/fp16" if throughput.peak else
+               f"no MFU: {name} is not in the table of peak rates" if name else "no MFU on a CPU")
+        logger.info(f"throughput per GPU of {world_size} in the log: 6 N + 12 L h s = {flops:,.0f} model FLOPs per "
+                    f"token (N = {parameters:,} parameters); {mfu}")
         return throughput
 
     def _tokens_per_rank(self, meters) -> float:

@@ -63,10 +63,10 @@ class DataParallelGroups:
         ``D`` model copies where ``sharded``, with ``options`` as fairseq's
         ``get_train_iterator`` and ``get_valid_iterator`` (``fairseq/trainer.py``)
         give them."""
-        data = self.data_parallel.data
+        data, dataset = self.data_parallel.data, self.cfg.dataset
         iterator = self.task.get_batch_iterator(
-            dataset=self.task.dataset(subset), required_batch_size_multiple=self.cfg.dataset.required_batch_size_multiple,
-            num_workers=self.cfg.dataset.num_workers, data_buffer_size=self.cfg.dataset.data_buffer_size,
+            dataset=self.task.dataset(subset), required_batch_size_multiple=dataset.required_batch_size_multiple,
+            num_workers=dataset.num_workers, data_buffer_size=dataset.data_buffer_size,
             num_shards=data.size if sharded else 1, shard_id=data.rank if sharded else 0, **options)
         self.reset_dummy_batch(iterator.first_batch)
         return iterator

@@ -166,7 +166,7 @@ def check_context_parallel_options(args) -> None:
                          f"= {2 * context}: each of the {context} ranks holds 2 of {2 * context} equal chunks "
                          f"of a sequence")
     check_blocks_and_loss(args, f"--context-parallel-size {context}", "the ranks split blocks of "
-                           "--tokens-per-sample tokens", "each rank computes the loss of its own positions")
+                          "--tokens-per-sample tokens", "each rank computes the loss of its own positions")
 
 
 def check_blocks_and_loss(args, given: str, why_blocks: str, why_loss: str) -> None:

@@ -116,7 +116,7 @@ def check_pipeline_options(args) -> None:
                          f"{stages}: the interleaved schedule (--virtual-pipeline-model-parallel-size {virtual}) "
                          f"runs the micro-batches in rounds of one per stage")
     check_blocks_and_loss(args, f"--pipeline-model-parallel-size {stages}", "the stages exchange micro-batches "
-                           "of one shape", "the last stage computes the loss on its vocabulary shard")
+                          "of one shape", "the last stage computes the loss on its vocabulary shard")
     unsupported = [f"--{flag.replace('_', '-')}" for flag in ("amp", "cuda_graphs")
                    if safe_getattr(args, flag, False)]
     if safe_getattr(args, "decoder_layerdrop", 0):

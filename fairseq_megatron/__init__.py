@@ -21,14 +21,24 @@ State travels on objects (the trainer, the task, the model, the datasets).
 The module-level state that changes at run time, each where nothing can
 carry it instead:
 
-- the process groups (:mod:`fairseq_megatron.parallel.parallel_state`) and
-  the RNG tracker (:mod:`fairseq_megatron.parallel.rng_tracker`):
-  Megatron's process-wide API, which fairseq imports as ``mpu``;
+- the process groups (:mod:`fairseq_megatron.parallel.parallel_state`:
+  this process's groups, the layout its launch gave it until they are built,
+  since fairseq's ``distributed_init`` asks for them by the tensor-parallel
+  size alone, and the patient group of fairseq-interactive) and the RNG
+  tracker (:mod:`fairseq_megatron.parallel.rng_tracker`): Megatron's
+  process-wide API, which fairseq imports as ``mpu``;
 - ``modules.sharding._deferred`` and ``_may_be_loaded``: the layers'
-  constructors, called by fairseq's decoder, take no argument that could say
-  "defer your draws", and fairseq-train builds the model through any task,
-  with no argument that could say "a checkpoint may fill the weights";
-- ``modules.vocab_parallel_cross_entropy._COMPILED``: the compiled kernels, built once;
+  constructors, called by fairseq's decoder, take no argument that could
+  say "defer your draws", and fairseq-train builds the model through any
+  task (fairseq's own too), with no argument that could say "the trainer
+  fills the weights";
+- ``checkpoint.reading._prepared``: the checkpoints prepared in memory
+  (resharded, or read once) under the names fairseq's loaders are handed,
+  which take a file name alone;
+- caches: ``modules.vocab_parallel_cross_entropy._COMPILED`` (the compiled
+  kernels, built once), ``checkpoint.integrity._CHECKED`` (each file's CRC
+  check, once per process), and the ``functools.lru_cache`` of functions
+  that register or warn once per process;
 - ``fairseq_integration.patching.REPLACEMENTS`` and
   ``fairseq_integration._INSTALLED``: the replacements of fairseq functions,
   made once per interpreter;

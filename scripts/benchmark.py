@@ -11,19 +11,25 @@ process per model part of each pipeline stage, when there is more than one) on s
 50k-symbol vocabulary (1000 for ``tiny``), micro-batch 8 x 1024 tokens by
 default, and prints:
 
-- tokens/s: the median of fairseq's own ``wps`` over the last three log
-  intervals (steady state; the first intervals hold warm-up and compilation)
+- tokens/s per GPU (per process on a CPU): the median over the last three
+  log intervals (steady state; the first intervals hold warm-up and
+  compilation) of what fairseq-train logs: for ours ``tps``
+  (:mod:`fairseq_megatron.training.throughput`), for fairseq's
+  ``transformer_lm`` its ``wps`` over its one process
   (``FAIRSEQ_MEGATRON_PROFILE=table.txt`` also writes a torch.profiler
   kernel table of five steps per implementation, ``table-megatron.txt``
   and ``table-fairseq.txt``, each headed by :func:`gpu_busy_summary`, plus a
   Chrome trace ``table-megatron.trace.json``; ``FAIRSEQ_MEGATRON_PROFILE_STACKS=1``
   adds Python stacks to it, which finds the source of each device wait but
   slows the host several times, so the busy share then means little);
-- model TFLOP/s: tokens/s x (6 x params + 12 x layers x hidden x seq_len),
-  the usual model-FLOPs count (Narayanan et al. 2021, appendix; no
-  recomputation counted), with params computed from the shape;
+- model TFLOP/s per GPU: for ours the median of the log's ``tflops``;
+  for the others tokens/s x (6 x params + 12 x layers x hidden x seq_len),
+  the same count (``model_flops_per_token`` of that module: Narayanan et
+  al. 2021, appendix; no recomputation counted), with params computed from
+  the shape (checked against fairseq's log at one process, and equal to
+  what our trainer counts on the model it builds);
 - share of ``--peak-tflops`` (default 798: a dense fp16/bf16 matmul rate
-  measured on an H100);
+  measured on an H100; the log's ``mfu`` is the vendor's peak instead);
 - peak memory: the largest ``torch.cuda.max_memory_allocated`` of any rank
   over all steps, GiB (peak resident set size of the largest rank on CPU).
 
@@ -468,15 +474,19 @@ def train_inner_record(line: str):
 
 
 def parse_log(output: str):
-    """fairseq's json ``train_inner`` records -> (wps values in order, logged param count or None)."""
-    wps, params = [], None
+    """fairseq's json ``train_inner`` records -> (the values of each key in
+    order, e.g. ``"wps"``, ``"tps"``, ``"tflops"``; logged param count or None)."""
+    logged, params = {}, None
     for line in output.splitlines():
         if "num. shared model params:" in line and params is None:
             params = int(line.split("num. shared model params:")[1].split()[0].replace(",", ""))
         record = train_inner_record(line)
-        if record is not None:
-            wps.append(float(record["wps"]))
-    return wps, params
+        for key, value in (record or {}).items():
+            try:
+                logged.setdefault(key, []).append(float(value))
+            except (TypeError, ValueError):
+                pass
+    return logged, params
 
 
 def logged_losses(output: str) -> list:
@@ -516,6 +526,22 @@ def timed_window(output: str, line_times, intervals: int = 3):
     return [line_times[marks[-intervals] - 1], line_times[marks[-1]]]
 
 
+def portable_command(argv, work_dir: str) -> str:
+    """``argv`` as one shell line for the CSV, without the paths of the
+    machine that ran it: files of this checkout relative to it, files of
+    ``--work-dir`` under ``<work-dir>/``."""
+    places = ((os.path.abspath(work_dir) + os.sep, "<work-dir>/"), (REPO + os.sep, ""))
+    words = []
+    for arg in map(str, argv):
+        absolute = os.path.abspath(arg) if os.path.isabs(arg) else None
+        for place, name in places if absolute else ():
+            if absolute.startswith(place):
+                arg = name + absolute[len(place):]
+                break
+        words.append(shlex.quote(arg))
+    return " ".join(words)
+
+
 def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
     shape = resolved_shape(args)
     data_dir = os.path.join(work_dir, f"data-v{shape['vocab']}")
@@ -541,8 +567,8 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
     if returncode != 0:
         raise SystemExit(f"error: fairseq-train ({impl}) failed, exit {returncode}; log {log_path}:\n"
                          f"{why_it_failed(output)}")
-    wps, logged_params = parse_log(output)
-    if len(wps) < 3:
+    logged, logged_params = parse_log(output)
+    if len(logged.get("wps", [])) < 3:
         raise SystemExit(f"error: fewer than 3 log intervals in {log_path}: raise --updates or lower --log-interval")
     ranks = []
     for name in sorted(os.listdir(work_dir)):
@@ -556,9 +582,12 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
     flops_per_token = model_shape(shape, padded_vocab(shape["vocab"], multiple)).flops_per_token()
     if _processes(args, impl) == 1 and logged_params is not None and logged_params != params:  # one rank: all
         raise SystemExit(f"error: shape formula gives {params} parameters, fairseq logged {logged_params}")
-    tokens_per_s = statistics.median(wps[-3:])
+    if impl == "megatron":  # our trainer logs them per GPU
+        tokens_per_s, tflops = (statistics.median(logged[key][-3:]) for key in ("tps", "tflops"))
+    else:
+        tokens_per_s = statistics.median(logged["wps"][-3:]) / _processes(args, impl)
+        tflops = tokens_per_s * flops_per_token / 1e12
     record = {"window": timed_window(output, line_times), "losses": logged_losses(output)}
-    tflops = tokens_per_s * flops_per_token / 1e12
     eval_lm = run_eval_lm(args, impl, shape, data_dir, save_dir, use_cuda, model_parallel_size) if save_dir else {}
     precision = precision_label(args, impl, use_cuda)
     label = f"{'ours' if impl == 'megatron' else 'fairseq'} {args.shape} mp{model_parallel_size} {precision}"
@@ -587,7 +616,7 @@ def run_one(args, impl: str, work_dir: str, use_cuda: bool, device: str):
         "share_of_peak": round(tflops / args.peak_tflops, 6),
         "peak_mem_gib": round(max(r["peak_bytes"] for r in ranks) / 2**30, 3) if ranks else "",
         "world_size": max((r["world_size"] for r in ranks), default=""),
-        "command": " ".join(shlex.quote(str(c)) for c in cmd[cmd.index("--") + 1:]),
+        "command": portable_command(cmd[cmd.index("--") + 1:], work_dir),
         **eval_lm, "_record": record,
     }
 
@@ -702,8 +731,8 @@ def run_anchor(args, work_dir: str, device: str):
 
 
 def describe(row: dict, peak_tflops: float) -> str:
-    return (f"{row['label']}: {row['params'] / 1e6:.1f}M params, {row['tokens_per_s']:.0f} tokens/s, "
-            f"{row['model_tflops']:.1f} model TFLOP/s = {100 * row['share_of_peak']:.1f}% of "
+    return (f"{row['label']}: {row['params'] / 1e6:.1f}M params, {row['tokens_per_s']:.0f} tokens/s per GPU, "
+            f"{row['model_tflops']:.1f} model TFLOP/s per GPU = {100 * row['share_of_peak']:.1f}% of "
             f"{peak_tflops:g}, peak memory {row['peak_mem_gib']} GiB (world size {row['world_size']})")
 
 

@@ -176,20 +176,16 @@ def refusal(row: Layout, shape: Shape, cpu: bool, seed: int) -> Optional[str]:
     """Why fairseq-train would refuse ``row`` before any work (its option
     checks and the launch checks of its ``main``), as its one error line; None."""
     from fairseq_megatron.errors import UsageError
-    from fairseq_megatron.models.options import (
-        check_fully_sharded,
-        check_pipeline_data_parallel_backend,
-        check_training_precision,
-    )
     from fairseq_megatron.parallel.layout import ParallelLayout
+    from fairseq_megatron.training.data_parallel import data_parallel_class
+    from fairseq_megatron.training.options import check_training_precision
 
     try:
         cfg = _parse(fairseq_flags(row, shape, cpu, seed))
         grid = ParallelLayout(row.world_size, row.tensor, row.pipeline, row.context)
-        check_fully_sharded(cfg.distributed_training, cfg.common, cfg.ema, cfg.model, cfg.checkpoint)
-        check_pipeline_data_parallel_backend(cfg.distributed_training.ddp_backend, grid.pipeline, grid.data,
-                                             grid.context)
-        check_training_precision(cfg.common, fully_sharded=cfg.distributed_training.ddp_backend == "fully_sharded")
+        data_parallel = data_parallel_class(cfg.distributed_training)
+        data_parallel.check(cfg, grid.pipeline, grid.data, grid.context)
+        check_training_precision(cfg.common, fp32_parameters=data_parallel.keeps_fp32_parameters)
     except UsageError as e:
         return str(e)
     return None
@@ -282,7 +278,7 @@ def _measure(rank, row, shape, cpu, iterations, seed, init_file) -> dict:
         "--distributed-init-method", f"file://{init_file}", "--distributed-backend", "gloo" if cpu else "nccl",
         "--device-id", str(0 if cpu else rank)])
     sizes = (row.tensor, row.pipeline, row.context)
-    parallel_state.expect_layout(*sizes)
+    parallel_state.launch_layout(*sizes)  # fairseq's distributed_init builds the layout of these sizes
     if row.world_size > 1:
         distributed_utils.distributed_init(cfg)
     parallel_state.ensure_model_parallel(*sizes)

@@ -71,6 +71,13 @@ def model_args(model_parallel_size: int, **overrides) -> Namespace:
     return args
 
 
+def parallelized(model, args):
+    """:func:`~fairseq_megatron.training.parallelize.parallelize` of ``model``
+    for this process's groups, with the model options ``args`` and fairseq's
+    default data parallelism (what ``MegatronTrainer`` applies, without a trainer)."""
+    return parallelize(model, parallel_state.get_process_groups(), Namespace(model=args, distributed_training=None))
+
+
 def build_model(model_parallel_size: int, seed: int = 0, **overrides):
     """Our model at the current group's size, initialised from ``seed``,
     with what training applies to it from outside (``MegatronTrainer`` does
@@ -81,7 +88,7 @@ def build_model(model_parallel_size: int, seed: int = 0, **overrides):
     dictionary = make_dictionary()
     args = model_args(model_parallel_size, **overrides)
     model = ModelParallelTransformerLanguageModel.build_model(args, LMTask(dictionary))
-    parallelize(model, args)
+    parallelized(model, args)
     return model, dictionary
 
 

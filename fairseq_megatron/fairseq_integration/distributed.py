@@ -60,6 +60,8 @@ from fairseq.utils import safe_getattr
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.fairseq_integration.patching import fairseq_tool, original, plugin_on_command_line, replace
 from fairseq_megatron.parallel import parallel_state
+from fairseq_megatron.parallel.layout import SIZES, check_size
+from fairseq_megatron.training.data_parallel import data_parallel_class
 
 _TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 
@@ -152,18 +154,19 @@ def runs_our_models(cfg) -> bool:
         safe_getattr(model, "_name", None) or safe_getattr(model, "arch", None))
 
 
-def main_in_its_layout(main, cfg, **kwargs):
-    """``main(cfg, **kwargs)`` once this rank's parallel layout is built from
-    ``cfg`` (:func:`~fairseq_megatron.parallel.parallel_state.ensure_model_parallel`:
-    fairseq's ``distributed_init`` built it already at model-parallel size
+def main_in_its_layout(main, sizes, cfg, **kwargs):
+    """``main(cfg, **kwargs)`` once this rank's groups are built for the
+    parallel ``sizes`` of ``cfg`` (:func:`launch_sizes`, read once per
+    process; :func:`~fairseq_megatron.parallel.parallel_state.ensure_model_parallel`:
+    fairseq's ``distributed_init`` built them already at model-parallel size
     > 1; a single process gets the single-process layout). Sharded data
     parallelism (``--ddp-backend fully_sharded``) in one process without a
     launcher gets a world of its own one rank: FSDP2 shards over a process
     group, even of one."""
-    distributed = getattr(cfg, "distributed_training", None)
-    if getattr(distributed, "ddp_backend", None) == "fully_sharded" and not dist.is_initialized():
+    if data_parallel_class(getattr(cfg, "distributed_training", None)).needs_a_process_group \
+            and not dist.is_initialized():
         parallel_state.start_single_rank_world()
-    parallel_state.ensure_model_parallel(*launch_sizes(cfg))
+    parallel_state.ensure_model_parallel(*sizes)
     _forget_fairseqs_global_group_at_exit()
     return main(cfg, **kwargs)
 
@@ -179,21 +182,22 @@ def _forget_fairseqs_global_group_at_exit() -> None:
     atexit.register(vars(distributed_utils.get_global_group).pop, "_global_group", None)
 
 
-def _distributed_main_with_the_plugin(index: int, main, cfg, kwargs, exit_with_the_launcher: bool = False) -> None:
+def _distributed_main_with_the_plugin(index: int, main, cfg, kwargs, sizes=None) -> None:
     """What each process that fairseq's launch spawns runs: fairseq's
     ``distributed_main``, after this module's import (the process unpickles
     this function by its module path), which installs the plugin. Our
     bad-input errors end as one line here too (torch's spawn catches them
     before the excepthook would); the parent then reports the exit status.
-    ``exit_with_the_launcher``: in a run of our models, see
-    :func:`_exit_with_the_launcher` (the layout's sizes are then expected
-    as in :func:`call_main`)."""
+    ``sizes``: in a run of our models, the parallel sizes :func:`call_main`
+    read; the process then ends with its launcher
+    (:func:`_exit_with_the_launcher`) and takes them for its layout
+    (:func:`~fairseq_megatron.parallel.parallel_state.launch_layout`)."""
     from fairseq_megatron.fairseq_integration.one_line_errors import printed_as_one_line
 
     try:
-        if exit_with_the_launcher:
+        if sizes is not None:
             _exit_with_the_launcher()
-            parallel_state.expect_layout(*launch_sizes(cfg))
+            parallel_state.launch_layout(*sizes)
         distributed_utils.distributed_main(index, main, cfg, kwargs)
     except Exception as e:
         if printed_as_one_line(e):
@@ -235,9 +239,10 @@ def call_main(cfg, main, **kwargs):
     inferred (without GPUs, by :func:`_infer_launch_without_gpus`), then the
     processes spawned with the plugin loaded, or ``main`` run here.
 
-    In a run of our models (:func:`runs_our_models`), every process builds
-    its parallel layout from ``cfg`` once, before ``main`` runs
-    (:func:`main_in_its_layout`), and the sizes are checked here first.
+    In a run of our models (:func:`runs_our_models`), the parallel sizes
+    are read from ``cfg`` here, once, and checked; every process then takes
+    them for its layout (:func:`~fairseq_megatron.parallel.parallel_state.launch_layout`)
+    and has its groups built before ``main`` runs (:func:`main_in_its_layout`).
 
     Raises:
         UsageError: in a run of our models, a parallel size below 1, or an
@@ -246,12 +251,14 @@ def call_main(cfg, main, **kwargs):
             not divide the world size.
     """
     ours = runs_our_models(cfg)
+    sizes = launch_sizes(cfg) if ours else None
     if ours:
         from fairseq_megatron.fairseq_integration.option_values import check_option_values
 
-        parallel_state.expect_layout(*launch_sizes(cfg))
+        for name, size in zip(SIZES, sizes):  # each at least 1, before anything starts; the rest in each process
+            check_size(name, size)
         check_option_values(cfg)  # fairseq's own numbers, beside our sizes
-        main = functools.partial(main_in_its_layout, main)
+        main = functools.partial(main_in_its_layout, main, sizes)
     if ours and os.environ.get("TORCHELASTIC_RUN_ID"):  # a rank that torchrun started
         _exit_with_the_launcher()
     launch = cfg.distributed_training
@@ -265,6 +272,8 @@ def call_main(cfg, main, **kwargs):
     elif launch.distributed_init_method is None:
         distributed_utils.infer_init_method(launch)  # what fairseq's call_main does first
     if launch.distributed_init_method is None or launch.distributed_no_spawn or cfg.common.tpu:
+        if ours:
+            parallel_state.launch_layout(*sizes)
         return original(distributed_utils, "call_main")(cfg, main, **kwargs)
     # fairseq's spawn, of processes that load this plugin first
     nprocs = launch.distributed_num_procs if torch.cuda.device_count() == 0 else \
@@ -275,7 +284,7 @@ def call_main(cfg, main, **kwargs):
     with contextlib.ExitStack() as stack:
         if interactive is not None and interactive.input == "-" and fairseq_tool() == "interactive":
             interactive.input = stack.enter_context(_standard_input_through_a_pipe())
-        torch.multiprocessing.spawn(fn=_distributed_main_with_the_plugin, args=(main, cfg, kwargs, ours),
+        torch.multiprocessing.spawn(fn=_distributed_main_with_the_plugin, args=(main, cfg, kwargs, sizes),
                                     nprocs=nprocs, join=True)
 
 

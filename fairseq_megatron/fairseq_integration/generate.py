@@ -142,7 +142,10 @@ class RoundWriter:
 
 class _NoSeconds(float):
     """Zero seconds, by which a number divides to nan (a rate of nothing in
-    no time) instead of raising ZeroDivisionError."""
+    no time) instead of raising ZeroDivisionError. fairseq-generate's
+    ``_main`` divides by the timer's ``sum`` and ``avg`` itself, in its
+    closing log line; the timer's class is the only part of that line a
+    replacement reaches, and its seconds the only value it can give."""
 
     def __rtruediv__(self, other):
         return float("nan")
@@ -170,7 +173,12 @@ class ShardScorer:
     :func:`generate_over_data_parallel_groups` computes over all shards (a
     shard's own is not printed, and fails for a shard without sentences:
     BLEU divides by their length). Scorers whose statistics
-    :func:`scorer_statistics` does not know keep their own."""
+    :func:`scorer_statistics` does not know keep their own.
+
+    A wrapper, as fairseq offers no other way: ``_main`` builds the scorer
+    the user names from fairseq's registry (any class) and calls its methods
+    itself, ``add_string`` or ``add`` (whichever the class has) for each
+    sentence and ``result_string`` in its closing line."""
 
     def __init__(self, scorer):
         self.scorer = scorer
@@ -184,19 +192,22 @@ class ShardScorer:
         return "(this shard's part of the score over all shards)"
 
 
-class BatchCuttingProgressBar:
-    """A fairseq progress bar whose iteration goes through
-    :meth:`BatchwiseOutput.batches`; anything else is the bar's."""
+class BatchesCut:
+    """The batch iterator fairseq-generate hands its progress bar, its
+    batches going through :meth:`BatchwiseOutput.batches`: what fairseq's
+    progress bars read of the iterator they wrap (``fairseq/logging/progress_bar.py``:
+    its length and position ``n``), and its batches."""
 
-    def __init__(self, bar, output: BatchwiseOutput):
-        self.bar = bar
-        self.output = output
+    def __init__(self, iterator, output: BatchwiseOutput):
+        self.n = getattr(iterator, "n", 0)
+        self._length = len(iterator)
+        self._batches = output.batches(iterator)
+
+    def __len__(self) -> int:
+        return self._length
 
     def __iter__(self):
-        return iter(self.output.batches(self.bar))
-
-    def __getattr__(self, name):
-        return getattr(self.bar, name)
+        return self._batches
 
 
 # The output being collected by this process's fairseq-generate, if any: set
@@ -413,7 +424,7 @@ def main(cfg):
     from fairseq.distributed import utils as distributed_utils
 
     from fairseq_megatron.errors import check_directory_can_be_made
-    from fairseq_megatron.fairseq_integration.distributed import main_in_its_layout
+    from fairseq_megatron.fairseq_integration.distributed import launch_sizes, main_in_its_layout
 
     if not plugin_on_command_line():  # fairseq-generate without our --user-dir: fairseq's
         return original(_cli(), "main")(cfg)
@@ -422,7 +433,7 @@ def main(cfg):
     if cfg.common_eval.results_path is not None:  # before the model is loaded, or processes spawned
         check_directory_can_be_made(cfg.common_eval.results_path, f"--results-path {cfg.common_eval.results_path}")
     if dist.is_initialized():  # a caller started torch.distributed already
-        return main_in_its_layout(generate_on_this_rank, cfg)
+        return main_in_its_layout(generate_on_this_rank, launch_sizes(cfg), cfg)
     # in each process call_main starts, or here at world size 1
     return distributed_utils.call_main(cfg, generate_on_this_rank)
 
@@ -441,14 +452,15 @@ def generate_on_this_rank(cfg):
     return fairseq_main(cfg)
 
 
-def progress_bar(*args, **kwargs):
+def progress_bar(iterator, *args, **kwargs):
     """fairseq's ``progress_bar.progress_bar`` in fairseq_cli.generate: while
-    its output is collected, the batches pass through the collector."""
+    its output is collected, the batches pass through the collector
+    (:class:`BatchesCut`) on their way to the bar."""
     from fairseq.logging import progress_bar as fairseq_progress_bar
 
-    bar = fairseq_progress_bar.progress_bar(*args, **kwargs)
     output = collecting.get()
-    return bar if output is None else BatchCuttingProgressBar(bar, output)
+    return fairseq_progress_bar.progress_bar(iterator if output is None else BatchesCut(iterator, output), *args,
+                                             **kwargs)
 
 
 def build_scorer(*args, **kwargs):

@@ -4,17 +4,17 @@
   :func:`~fairseq_megatron.fairseq_integration.trainer.build_trainer`, which
   picks our :class:`~fairseq_megatron.fairseq_integration.trainer.MegatronTrainer`
   for our models at every model-parallel size and fairseq's classes otherwise.
-- ``main`` checks the launch before it writes anything (the parallel
-  sizes were checked before it, where the layout is built): fairseq's
+- ``main`` checks the training options and the launch before it writes
+  anything (the parallel sizes were checked before it, where the layout is
+  built; the model's options while fairseq parsed them): fairseq's
   ``main`` creates ``--save-dir`` (and writes a probe file into it) first,
   and ``--ddp-backend fully_sharded`` with fairscale-only options failed
-  after building the model (:func:`~fairseq_megatron.models.options.check_fully_sharded`);
+  after building the model (:meth:`~fairseq_megatron.training.data_parallel.DataParallel.check`);
   ``--bf16`` without torch_xla and ``--fp16`` on CPU failed with
   tracebacks after building it; a ``--save-dir`` with a file in its path
   was "Not a directory: '<save-dir>/dummy'", and a read-only one a logged
   warning and a traceback; ``--fp8`` without torchao or a float8 GPU is
-  refused here too. (The model's own option checks already run while
-  fairseq parses the command line.) It then holds the save dir's lock for
+  refused here too. It then holds the save dir's lock for
   the run (:mod:`.save_dir`): a second run with the same ``--save-dir`` is
   one line. The refusals that need the task or a checkpoint (a dict.txt
   other than the checkpoint's, training samples all longer than the model's
@@ -53,14 +53,11 @@ def main(cfg, **kwargs):
     """fairseq-train's ``main``, after the checks above for our architectures."""
     from fairseq_megatron.errors import check_directory_can_be_made
     from fairseq_megatron.models.model_parallel_transformer_lm import is_model_parallel_arch
-    from fairseq_megatron.models.options import (
-        check_fp8_environment,
-        check_fully_sharded,
-        check_pipeline_data_parallel_backend,
-        check_training_precision,
-    )
-    from fairseq_megatron.modules import sharding
+    from fairseq_megatron.training.data_parallel import data_parallel_class
+    from fairseq_megatron.training.float8 import check_fp8_environment
+    from fairseq_megatron.training.options import check_training_options, check_training_precision
     from fairseq_megatron.fairseq_integration.save_dir import check_writable, one_run_at_a_time
+    from fairseq_megatron.modules import sharding
     from fairseq_megatron.parallel import parallel_state
 
     run = original(_cli(), "main")
@@ -75,10 +72,10 @@ def main(cfg, **kwargs):
     check_directory_can_be_made(cfg.checkpoint.save_dir, f"--save-dir {cfg.checkpoint.save_dir}")
     take_the_architecture_of_the_checkpoint(cfg, arch)
     layout = parallel_state.get_parallel_layout()  # built from cfg at launch, its sizes checked there
-    check_fully_sharded(cfg.distributed_training, cfg.common, cfg.ema, cfg.model, cfg.checkpoint)
-    check_pipeline_data_parallel_backend(cfg.distributed_training.ddp_backend, layout.pipeline, layout.data,
-                                         layout.context)
-    check_training_precision(cfg.common, fully_sharded=cfg.distributed_training.ddp_backend == "fully_sharded")
+    check_training_options(cfg.model)  # fairseq-train's options, all in the model's config for our archs
+    data_parallel = data_parallel_class(cfg.distributed_training)
+    data_parallel.check(cfg, layout.pipeline, layout.data, layout.context)
+    check_training_precision(cfg.common, fp32_parameters=data_parallel.keeps_fp32_parameters)
     check_fp8_environment(cfg.model, cfg.common.cpu)
     check_writable(cfg.checkpoint.save_dir)
     # fairseq's main makes --save-dir on the master rank only

@@ -24,6 +24,8 @@ What it does differently from fairseq's trainer, and why:
 - Per-step logging reads nothing from the device (fairseq's
   ``_reduce_and_log_stats`` waited twice per step), and whether a batch
   holds padding is decided on its CPU copy (:mod:`fairseq_megatron.modules.padding`).
+  The log also gives tokens/s, model TFLOP/s and MFU per GPU, and peak memory
+  (:mod:`fairseq_megatron.training.throughput`).
 - Checkpoints: rank K writes ``-model_part-K`` files, its crash file too
   (fairseq wrote one ``crash.pt`` from every rank); the RNG tracker's streams
   are saved and restored (as fairseq's MegatronTrainer); a checkpoint saved at
@@ -73,16 +75,15 @@ from fairseq_megatron.fairseq_integration.prefetch import stop_prefetch_threads_
 from fairseq_megatron.fairseq_integration.step_logging import StepLogging
 from fairseq_megatron.fairseq_integration.trainer_checkpoints import TrainerCheckpoints
 from fairseq_megatron.models.model_parallel_transformer_lm import is_our_model
-from fairseq_megatron.models.pipeline_stage import PipelineStageLayout
 from fairseq_megatron.modules.padding import mark_padding
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.parallel.grad_norm import model_parallel_norm_aggregator
 from fairseq_megatron.training.context_parallel import count_own_share
-from fairseq_megatron.training.fully_sharded import shard_model
 from fairseq_megatron.training.fused_adam import FairseqFusedAdam, fused_adam_applies
 from fairseq_megatron.training.memory import log_memory_report
-from fairseq_megatron.training.parallelize import parallelize
+from fairseq_megatron.training.parallelize import Parallelized, parallelize
 from fairseq_megatron.training.pipeline_schedule import PipelineSchedule
+from fairseq_megatron.training.throughput import Throughput
 
 logger = logging.getLogger(__name__)
 
@@ -154,30 +155,29 @@ class MegatronTrainer(TrainerCheckpoints, StepLogging, DataParallelGroups, Train
     """
 
     def __init__(self, cfg, task, model, criterion, quantizer=None):
-        stage = PipelineStageLayout.of(cfg.model)  # this rank's stage of the layout
-        parallelize(model, cfg.model, stage)
-        self.context_split = model.decoder.context_split  # None, or how this rank's C ranks split sequences
+        groups = parallel_state.get_process_groups()  # this rank's layout, built once at launch
+        self.throughput = Throughput.of(model, groups.tensor.size, groups.layout.world_size, cfg)  # model still whole
+        self.parallelized = parallelize(model, groups, cfg)
+        self.data_parallel = self.parallelized.data_parallel
+        self.context_split = self.parallelized.context_split  # None, or how this rank's C ranks split sequences
         if cfg.ema.store_ema:  # fairseq's EMA copies the model in the constructor, before any load
             model.run_deferred_initialisation()
         # before fairseq's constructor, which reads the data-parallel size
-        self.pipeline = _pipeline_schedule(cfg, task, model, stage) if stage.stages > 1 else None
-        self.fully_sharded = cfg.distributed_training.ddp_backend == "fully_sharded"
-        if self.fully_sharded:  # with pipeline stages each model chunk's module is a root unit
-            shard_model(model, self.pipeline.chunk_modules if self.pipeline else [model], cfg)
+        stage = self.parallelized.stage
+        self.pipeline = _pipeline_schedule(cfg, task, model, self.parallelized) if stage.stages > 1 else None
         self._memory_reported = False
-        with self._fairseq_fsdp_branches():  # no .half() of the sharded fp32 parameters
-            super().__init__(cfg, task, model, criterion, quantizer)
+        super().__init__(cfg, task, model, criterion, quantizer)
         stop_prefetch_threads_at_exit()
 
     def _build_optimizer(self):
         """fairseq's optimizer; ``--optimizer adam`` on fp32 CUDA weights then
         runs :class:`~fairseq_megatron.training.fused_adam.FusedAdamW` inside
-        fairseq's wrappers."""
-        with self._fairseq_fsdp_branches():
-            super()._build_optimizer()
+        fairseq's wrappers. fairseq builds it again after loading a
+        checkpoint's optimizer state: it is chosen as the first
+        (:attr:`~fairseq_megatron.fairseq_integration.data_parallel_groups.DataParallelGroups.is_fsdp`)."""
+        self._lr_scheduler = None
+        super()._build_optimizer()
         outer = self._optimizer
-        if self.fully_sharded:
-            return  # fairseq's Adam on the DTensor shards
         if fused_adam_applies(outer, self.cfg):
             self._optimizer = FairseqFusedAdam(outer)
             self._lr_scheduler.optimizer = self._optimizer
@@ -192,10 +192,10 @@ class MegatronTrainer(TrainerCheckpoints, StepLogging, DataParallelGroups, Train
         with context parallelism the sample's sizes are this rank's
         (:func:`~fairseq_megatron.training.context_parallel.count_own_share`,
         on the CPU copy)."""
-        if self.context_split is not None and isinstance(sample, dict) and "target" in sample:
-            sample = count_own_share(sample, self.context_split, self.get_model().decoder.padding_idx)
-        tokens = _source_tokens(sample)
         dictionary = getattr(self.task, "source_dictionary", None)
+        if self.context_split is not None and isinstance(sample, dict) and "target" in sample:
+            sample = count_own_share(sample, self.context_split, dictionary.pad())
+        tokens = _source_tokens(sample)
         if tokens is None or tokens.device.type != "cpu" or dictionary is None:
             return Trainer._prepare_sample(self, sample, is_dummy)
         pad = dictionary.pad()
@@ -208,14 +208,16 @@ class MegatronTrainer(TrainerCheckpoints, StepLogging, DataParallelGroups, Train
 
     def train_step(self, samples, raise_oom=False):
         """fairseq's; with pipeline stages the update's samples go to the
-        schedule as one batch of micro-batches (:mod:`fairseq_megatron.training.pipeline_schedule`).
-        After the first update each rank logs what it holds
-        (:func:`~fairseq_megatron.training.memory.memory_report`)."""
+        schedule as one batch of micro-batches (:mod:`fairseq_megatron.training.pipeline_schedule`);
+        the log interval's throughput per GPU joins fairseq's meters
+        (:mod:`fairseq_megatron.training.throughput`). After the first update
+        each rank logs what it holds (:func:`~fairseq_megatron.training.memory.memory_report`)."""
         if self.pipeline is None:
             result = super().train_step(samples, raise_oom)
         else:
             with self.pipeline.steps_of(self.task):
                 result = super().train_step([self.pipeline.micro_batches_of(samples)], raise_oom)
+        self.throughput.log()
         if not self._memory_reported:
             self._memory_reported = True
             log_memory_report(dist.get_rank() if dist.is_initialized() else 0, self.get_model(), self.optimizer)
@@ -252,21 +254,21 @@ class MegatronTrainer(TrainerCheckpoints, StepLogging, DataParallelGroups, Train
         fused.skip_step_if_nonfinite(grad_norm)
         return grad_norm.as_subclass(_NormCheckedOnTheDevice)
 
-def _pipeline_schedule(cfg, task, model, stage: PipelineStageLayout) -> PipelineSchedule:
-    """The schedule of this rank's stage: ``--update-freq`` micro-batches of
-    ``--batch-size`` (or ``--max-tokens / --tokens-per-sample``) rows of
-    ``--tokens-per-sample`` tokens.
+def _pipeline_schedule(cfg, task, model, parallelized: Parallelized) -> PipelineSchedule:
+    """The schedule of this rank's stage, over the modules of its model
+    chunks that :func:`~fairseq_megatron.training.parallelize.parallelize`
+    made: ``--update-freq`` micro-batches of ``--batch-size`` (or
+    ``--max-tokens / --tokens-per-sample``) rows of ``--tokens-per-sample`` tokens.
 
     Raises:
-        UsageError: neither ``--batch-size`` nor ``--max-tokens``; fewer
-            micro-batches than stages.
+        UsageError: neither ``--batch-size`` nor ``--max-tokens``.
     """
     length = cfg.task.tokens_per_sample
     rows = cfg.dataset.batch_size or (cfg.dataset.max_tokens or 0) // length
     if rows < 1:
         raise UsageError(f"--pipeline-model-parallel-size needs --batch-size, or --max-tokens of at least "
                          f"--tokens-per-sample {length}: they set the micro-batch shape")
-    return PipelineSchedule(model, stage, cfg.optimization.update_freq[0], rows, length,
-                            task.source_dictionary.pad(), bf16_autocast=bool(getattr(cfg.model, "bf16_autocast", False)))
+    return PipelineSchedule(model, parallelized.stage, parallelized.chunk_modules, cfg.optimization.update_freq[0],
+                            rows, length, task.source_dictionary.pad())
 
 

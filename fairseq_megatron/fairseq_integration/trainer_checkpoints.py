@@ -26,7 +26,6 @@ from fairseq_megatron.checkpoint.reading import ChangedWhileRead, PreparedCheckp
 from fairseq_megatron.files import written_whole
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
-from fairseq_megatron.training.fully_sharded import gathered_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -49,44 +48,38 @@ class TrainerCheckpoints:
 
     @property
     def optimizer_shards(self) -> int:
-        """The files each part's optimizer state is saved in: under
-        ``--ddp-backend fully_sharded`` one per rank its parameters are
-        sharded over (:mod:`fairseq_megatron.checkpoint.optimizer_shards`);
-        0 otherwise (the part file holds it)."""
-        if not self.fully_sharded:
-            return 0
-        return parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        """The files each part's optimizer state is saved in, one per rank
+        whose parameters are sharded (:mod:`fairseq_megatron.checkpoint.optimizer_shards`);
+        0: the part file holds it (the data parallelism says:
+        :attr:`~fairseq_megatron.training.data_parallel.DataParallel.optimizer_shards`)."""
+        return self.data_parallel.optimizer_shards
 
     @property
     def optimizer_shard_rank(self) -> int:
         """This rank's shard of its part's optimizer state."""
-        return parallel_state.get_data_parallel_rank(with_context_parallel=True) if self.fully_sharded else 0
+        return self.data_parallel.optimizer_shard_rank
 
     @property
     def writes_the_part(self) -> bool:
-        """Whether this rank writes its part file (the first data-parallel rank of each part)."""
-        return self.is_data_parallel_master if not self.fully_sharded else self.optimizer_shard_rank == 0
+        """Whether this rank writes its part file: the first of the ranks that average gradients."""
+        return self.data_parallel.gradients.rank == 0
 
     @property
     def should_save_checkpoint_on_current_rank(self) -> bool:
-        """fairseq's; every rank under ``fully_sharded`` (each saves its optimizer shard)."""
-        return self.fully_sharded or super().should_save_checkpoint_on_current_rank
+        """fairseq's; every rank where the optimizer state is saved in shards (each saves its own)."""
+        return bool(self.optimizer_shards) or super().should_save_checkpoint_on_current_rank
 
     def _trainable_parameters(self) -> Dict[str, torch.Tensor]:
         """The parameters the optimizer updates, by state-dict key, in its order (fairseq's ``Trainer._build_optimizer``)."""
         return {name: p for name, p in self.get_model().named_parameters() if p.requires_grad}
 
     def state_dict(self):
-        """fairseq's; under ``fully_sharded`` the model gathered whole one
-        tensor at a time (on the ranks that write the part; every rank
-        takes part), and in place of the optimizer state the number of its
-        shards (:meth:`optimizer_shard_state` is each rank's)."""
-        state = super().state_dict()
-        if self.fully_sharded:
-            state["model"] = gathered_state_dict(state["model"], keep=self.writes_the_part)
-            if state.pop("last_optimizer_state", None) is not None:
-                state["optimizer_shards"] = self.optimizer_shards
-        return state
+        """fairseq's, as a part file holds it
+        (:meth:`~fairseq_megatron.training.data_parallel.DataParallel.checkpoint_state`:
+        under ``fully_sharded`` the model gathered whole, every rank taking
+        part, and in place of the optimizer state the number of its shards,
+        :meth:`optimizer_shard_state` being each rank's)."""
+        return self.data_parallel.checkpoint_state(super().state_dict(), keep=self.writes_the_part)
 
     def optimizer_shard_state(self, token: Optional[str]) -> dict:
         """This rank's optimizer shard of the save ``token``, to write (:func:`~fairseq_megatron.checkpoint.optimizer_shards.shard_state`)."""
@@ -105,17 +98,18 @@ class TrainerCheckpoints:
         and logged a traceback before the error went on). Remote paths and
         ``--write-checkpoints-asynchronously`` go through fairseq's.
 
-        Under ``fully_sharded`` every rank calls it (the model is gathered
-        over all): ``filename`` is None on the ranks that write no part file,
-        and each rank writes its optimizer shard to ``optimizer_shard``. A
-        rank's own ``crash.pt`` (a failed step) is not written there.
+        Where the optimizer state is saved in shards (``fully_sharded``)
+        every rank calls it (the model is gathered over all): ``filename`` is
+        None on the ranks that write no part file, and each rank writes its
+        optimizer shard to ``optimizer_shard``. A rank's own ``crash.pt`` (a
+        failed step) is not written there.
 
         Raises:
             CheckpointError: the file system refused the write (a full disk):
                 one line with the bytes free; the temporary file is removed,
                 and the file of the previous save stays whole.
         """
-        if self.fully_sharded and optimizer_shard is None:
+        if self.optimizer_shards and optimizer_shard is None:
             logger.warning(f"not saving {filename}: under --ddp-backend fully_sharded a save gathers the model "
                            f"over every rank")
             return None
@@ -124,7 +118,7 @@ class TrainerCheckpoints:
             filename = filename[: -len(".pt")] + suffix + ".pt"
         extra_state["rng_tracker_states"] = get_rng_tracker().get_states()
         extra_state["data_parallel_world_size"] = self.data_shards
-        if not self.fully_sharded and (self.cfg.checkpoint.write_checkpoints_asynchronously or "://" in filename):
+        if not self.optimizer_shards and (self.cfg.checkpoint.write_checkpoints_asynchronously or "://" in filename):
             return super().save_checkpoint(filename, extra_state)
         if not self.should_save_checkpoint_on_current_rank:
             return None
@@ -183,7 +177,7 @@ class TrainerCheckpoints:
         """``prepared`` (this rank's part ``part`` of a checkpoint of this
         layout) with the optimizer state this rank resumes from, where it
         differs from the file's: joined from the checkpoint's optimizer
-        shards, or (under ``fully_sharded``) cut from its whole state, each
+        shards, or (where this run saves it in shards) cut from its whole state, each
         value placed as this rank holds its parameter
         (:func:`~fairseq_megatron.checkpoint.optimizer_shards.optimizer_state_for`).
 
@@ -192,7 +186,7 @@ class TrainerCheckpoints:
                 or optimizer state of other parameters.
         """
         manifest = prepared.file.opened.manifest if prepared.file is not None else None
-        if not self.fully_sharded and not (manifest or {}).get("optimizer_shards"):
+        if not self.optimizer_shards and not (manifest or {}).get("optimizer_shards"):
             return prepared  # as fairseq loads it
         from fairseq import checkpoint_utils
 

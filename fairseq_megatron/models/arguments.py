@@ -3,7 +3,9 @@
 help text: the parallel sizes beyond ``--model-parallel-size``, and the
 speed options applied to a built model from outside
 (:mod:`fairseq_megatron.training.parallelize`). What they refuse is
-:mod:`fairseq_megatron.models.options`'s.
+checked by their owners: the model's (:mod:`fairseq_megatron.models.options`),
+training's (:mod:`fairseq_megatron.training.options`), the layout's sizes
+(:class:`fairseq_megatron.parallel.layout.ParallelLayout`).
 """
 
 import argparse

@@ -61,31 +61,36 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         """The model for ``args`` as this rank's part (``tensor_parallel``:
         default this rank's group; a
         :class:`~fairseq_megatron.parallel.parallel_state.RankGroup` builds
-        rank ``k`` of ``T`` without process groups), its initial weights
-        drawn now, or, where a checkpoint may fill them, only if none does.
-        The caller says so: the task (``task.initial_weights_may_be_loaded``,
-        which our ``language_modeling`` task sets for every load of a
-        checkpoint), or fairseq-train's start, which builds before it looks
-        for one (:func:`~fairseq_megatron.modules.sharding.weights_may_be_loaded`).
-        The sharded weights of such a build are on the ``meta`` device until
-        :meth:`materialize`; :meth:`load_state_dict` materializes them and drops
-        the draws for a strict load, draws them first for a partial one, and
-        :meth:`run_deferred_initialisation` draws them (the trainer calls it
-        when no checkpoint was loaded). Drawing is nearly all of the build:
-        every rank draws each layer's full master tensor
+        rank ``k`` of ``T`` without process groups), built once, its initial
+        weights drawn now, or, where the builder fills them itself
+        (``task.initial_weights_may_be_loaded``: our ``language_modeling``
+        task for every load of a checkpoint; fairseq-train's start, whose
+        trainer draws them when no checkpoint fills them:
+        :func:`~fairseq_megatron.modules.sharding.weights_may_be_loaded`), only
+        then. The sharded weights of such a
+        build are on the ``meta`` device until :meth:`materialize`;
+        :meth:`load_state_dict` materializes them and drops the draws for a
+        strict load, draws them first for a partial one, and
+        :meth:`run_deferred_initialisation` draws them. Drawing is nearly all
+        of the build: every rank draws each layer's full master tensor
         (:mod:`fairseq_megatron.modules.sharding`), minutes for Megatron-11b.
-        If anything else in the build drew from the default generator
-        (fairseq's ``--decoder-learned-pos`` embedding), the deferred draws
-        would come out of order, so the model is built again as usual."""
+        fairseq's learned positions (``--decoder-learned-pos``) draw from the
+        default generator as they are built, between the deferred draws: such
+        a model draws its weights at once, in the build's order.
+
+        Raises:
+            RuntimeError: something else drew from the default generator
+                during a deferred build (its draws would come out of order).
+        """
         tensor_parallel = parallel_state.resolve_tensor_parallel(tensor_parallel)
-        if not (getattr(task, "initial_weights_may_be_loaded", False) or sharding.weights_may_be_loaded()):
+        later = getattr(task, "initial_weights_may_be_loaded", False) or sharding.weights_may_be_loaded()
+        if not later or draws_while_built(args):
             return cls._build(args, task, tensor_parallel)
         with sharding.initialisation_deferred() as deferred:
             model = cls._build(args, task, tensor_parallel)
         if deferred.generator_moved():
-            torch.set_rng_state(deferred.generator_state)
-            del model, deferred  # and the queue's references to its parameters, before the second build
-            return cls._build(args, task, tensor_parallel)
+            raise RuntimeError("the default generator drew during a deferred build: the deferred draws would not "
+                               "give the weights of a build that drew them")
         model.deferred_initialisation = deferred
         return model
 
@@ -218,6 +223,14 @@ def transformer_lm_megatron(args):
 def transformer_lm_megatron_11b(args):
     """Megatron-11b: 72 layers, hidden 3072, FFN 6 x 3072 = 18432, 32 heads, gelu, dropout 0.1."""
     _megatron_common(args, ffn_multiple=6)
+
+
+def draws_while_built(args) -> bool:
+    """Whether a module of the model for ``args`` that is not this
+    package's draws from the default generator as it is built: fairseq's
+    learned positional embedding (``--decoder-learned-pos``)."""
+    return bool(safe_getattr(args, "decoder_learned_pos", False)) and not safe_getattr(
+        args, "no_token_positional_embeddings", False)
 
 
 def is_our_model(model) -> bool:

@@ -6,9 +6,10 @@ model-parallel size N therefore starts from exactly the weights of the same
 model at size 1, which is what the parity tests compare (Megatron-LM
 ``_initialize_affine_weight_cpu`` does the same).
 
-A model that may get a checkpoint's weights (fairseq-train, which builds
-before it looks for ``checkpoint_last.pt``; every tool that loads a
-checkpoint) is built within :func:`initialisation_deferred`: its shards
+A model whose builder initialises its weights explicitly, from a
+checkpoint or by drawing them (fairseq-train's trainer, which looks for
+``checkpoint_last.pt`` after the build; every tool that loads a checkpoint)
+is built within :func:`initialisation_deferred`: its shards
 are made on the ``meta`` device, then given NaN-filled memory
 (:meth:`DeferredInitialisation.materialize`), so that a parameter the
 checkpoint failed to fill cannot pass for a trained one, and the draws wait,
@@ -152,7 +153,11 @@ class DeferredInitialisation:
         self._pending.clear()
 
 
+# The queue of the build in progress: the layers' constructors, which fairseq's decoder calls with arguments of
+# its own, take no argument that could carry it.
 _deferred: Optional[DeferredInitialisation] = None
+# Whether fairseq-train's build is in progress, which draws nothing: fairseq builds the model through any task
+# (its own dummy_lm too), with no argument that could say so, before the trainer looks for a checkpoint.
 _may_be_loaded = False
 
 

@@ -38,6 +38,24 @@ class Coordinates(NamedTuple):
     pipeline: int
 
 
+SIZES = {"tensor": ("--model-parallel-size", "model parts"),
+         "pipeline": ("--pipeline-model-parallel-size", "pipeline stages"),
+         "context": ("--context-parallel-size", "context-parallel ranks")}
+"""Each parallel size: the flag that sets it, and what it counts."""
+
+
+def check_size(name: str, size: int) -> None:
+    """The one check of parallel size ``name`` (a key of :data:`SIZES`) on
+    its own, wherever it is read.
+
+    Raises:
+        UsageError: ``size`` below 1.
+    """
+    flag, what = SIZES[name]
+    if size < 1:
+        raise UsageError(f"{flag} {size}: the number of {what} is at least 1")
+
+
 def _flag_product(tensor: int, context: int, pipeline: int) -> str:
     """``--model-parallel-size T`` (x the other flags given): how the user named the product."""
     flags = [f"--model-parallel-size {tensor}"]
@@ -70,11 +88,8 @@ class ParallelLayout:
     context: int = 1
 
     def __post_init__(self):
-        for flag, size, what in (("--model-parallel-size", self.tensor, "model parts"),
-                                 ("--pipeline-model-parallel-size", self.pipeline, "pipeline stages"),
-                                 ("--context-parallel-size", self.context, "context-parallel ranks")):
-            if size < 1:
-                raise UsageError(f"{flag} {size}: the number of {what} is at least 1")
+        for name in SIZES:
+            check_size(name, getattr(self, name))
         per_copy = self.tensor * self.context * self.pipeline
         if self.world_size == 1 and per_copy > 1:
             raise UsageError(

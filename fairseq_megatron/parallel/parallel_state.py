@@ -43,7 +43,7 @@ import datetime
 import functools
 import sys
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch.distributed as dist
 # Before any world starts: its functions take ``group.WORLD`` as a default argument, evaluated at import;
@@ -51,6 +51,7 @@ import torch.distributed as dist
 # very end, past release_process_groups. Imported now, the default is None, which means the same world.
 import torch.distributed.nn.functional  # noqa: F401
 
+from fairseq_megatron.errors import UsageError
 from fairseq_megatron.parallel.layout import MESH_DIMENSIONS, Coordinates, ParallelLayout
 
 ProcessGroup = Optional[dist.ProcessGroup]
@@ -108,20 +109,19 @@ class ProcessGroups:
 
 _SINGLE_PROCESS = ProcessGroups(ParallelLayout(1), Coordinates(0, 0, 0, 0), None, *([RankGroup()] * 6), (0,))
 _state: Optional[ProcessGroups] = None
-_expected: Optional[ParallelLayout] = None  # the sizes the launch configured (see expect_layout)
+_launched: Optional[Tuple[int, int, int]] = None  # this process's launch sizes, until its groups exist (launch_layout)
 
 
-def expect_layout(tensor: int = 1, pipeline: int = 1, context: int = 1) -> None:
-    """Record the sizes this run's configuration asks for, checked at once,
-    before any process starts: fairseq's ``distributed_init`` calls
-    :func:`initialize_model_parallel` with the tensor-parallel size alone,
-    and the other sizes then come from here (one layout, built once).
-
-    Raises:
-        UsageError: a size below 1.
-    """
-    global _expected
-    _expected = ParallelLayout(tensor * pipeline * context, tensor, pipeline, context)  # checks the sizes
+def launch_layout(tensor: int, pipeline: int = 1, context: int = 1) -> None:
+    """Take the parallel sizes this process's launch read from its
+    configuration (once: :func:`fairseq_megatron.fairseq_integration.distributed.launch_sizes`)
+    as those of the layout the next :func:`initialize_model_parallel` with
+    the tensor-parallel size alone builds: fairseq's ``distributed_init``
+    starts torch.distributed and then calls it so, with
+    ``--model-parallel-size`` as its one argument
+    (``fairseq/distributed/utils.py``). Kept until the groups are built."""
+    global _launched
+    _launched = (tensor, pipeline, context)
 
 
 def _device_type() -> str:
@@ -166,31 +166,37 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                               context_parallel_size: int = 1) -> None:
     """Build this rank's groups for the layout of these sizes; groups built
     before are forgotten first. ``tensor_model_parallel_size`` is fairseq's
-    ``--model-parallel-size``; fairseq's ``distributed_init`` calls this
-    function with it alone, and the pipeline and context sizes are then
-    those :func:`expect_layout` recorded for the same tensor size (else 1).
-    Mirrors Megatron-LM's ``mpu.initialize_model_parallel``.
+    ``--model-parallel-size``. Called with it alone (fairseq's
+    ``distributed_init``, and the fairscale-style API) where the launch gave
+    this process its layout (:func:`launch_layout`), it builds that layout's
+    groups, the tensor-parallel size checked against it; otherwise the
+    layout of these sizes. Mirrors Megatron-LM's ``mpu.initialize_model_parallel``.
 
     Every rank creates every group in the same order and returns once all
     of them have. Without torch.distributed, sizes of 1 give the
     single-process mode.
 
     Raises:
-        UsageError: a size below 1, a world size the sizes do not divide, or
-            sizes above 1 in a single process.
+        UsageError: a size below 1, a world size the sizes do not divide,
+            sizes above 1 in a single process, or a tensor-parallel size
+            other than the launch layout's.
         ModelParallelNotInitializedError: never raised for sizes of 1.
     """
-    global _state
+    global _state, _launched
     tensor = tensor_model_parallel_size
-    if pipeline_model_parallel_size is None:
-        expected = _expected if _expected is not None and _expected.tensor == tensor else None
-        pipeline = expected.pipeline if expected else 1
-        context = expected.context if expected else context_parallel_size
-    else:
-        pipeline, context = pipeline_model_parallel_size, context_parallel_size
     distributed = dist.is_available() and dist.is_initialized()
-    layout = ParallelLayout(dist.get_world_size() if distributed else 1, tensor, pipeline, context)
+    world = dist.get_world_size() if distributed else 1
+    if pipeline_model_parallel_size is None and _launched is not None:
+        if _launched[0] != tensor:
+            raise UsageError(f"the model-parallel groups were asked for --model-parallel-size {tensor}, and this run "
+                             f"was launched with {_launched[0]}")
+        sizes = _launched
+    else:
+        sizes = (tensor, 1 if pipeline_model_parallel_size is None else pipeline_model_parallel_size,
+                 context_parallel_size)
+    layout = ParallelLayout(world, *sizes)  # the one check of the sizes, in the world that runs them
     destroy_model_parallel()
+    _launched = None
     if not distributed:
         _state = _SINGLE_PROCESS
         return
@@ -204,7 +210,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
 
 def ensure_model_parallel(tensor: int = 1, pipeline: int = 1, context: int = 1) -> None:
     """:func:`initialize_model_parallel` unless the groups of these sizes
-    exist already (fairseq's ``distributed_init`` built them)."""
+    exist already (the hub, loading a second model in one process)."""
     if _state is not None and (_state.layout.tensor, _state.layout.pipeline, _state.layout.context) == (
             tensor, pipeline, context):
         return

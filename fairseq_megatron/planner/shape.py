@@ -54,8 +54,11 @@ class ModelShape:
         """Model FLOPs per trained token (forward + backward, no recompute):
         ``6 * parameters + 12 * layers * hidden * seq_len``, the attention
         scores and their weighted sum counted in full (Chowdhery et al. 2022,
-        PaLM, appendix B)."""
-        return 6 * self.parameters() + 12 * self.layers * self.hidden * self.seq_len
+        PaLM, appendix B), the count the training log uses
+        (:func:`~fairseq_megatron.training.throughput.model_flops_per_token`)."""
+        from fairseq_megatron.training.throughput import model_flops_per_token
+
+        return model_flops_per_token(self.parameters(), self.layers, self.hidden, self.seq_len)
 
     def layer_forward_flops(self, seq_len: int = None) -> float:
         """FLOPs of one layer's forward pass on one sequence of ``seq_len``

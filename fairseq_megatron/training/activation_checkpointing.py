@@ -121,8 +121,12 @@ def apply_activation_checkpointing(decoder: nn.Module, offload_to_cpu: bool = Fa
     (``--checkpoint-activations``; ``offload_to_cpu``: ``--offload-activations``,
     which then also makes the decoder keep no per-layer outputs, see
     :func:`checkpoint_wrapper`). Apply after any per-layer compilation, so
-    that the recompute replays the compiled forward (torchtitan's ``apply_ac``
-    after ``apply_compile`` does the same)."""
+    that the recompute replays the compiled forward. torchtitan's
+    ``parallelize`` functions do the reverse, ``apply_ac`` then
+    ``apply_compile`` of the wrapped block (dynamo traces torch's checkpoint
+    into the compiled region); here the recompute swaps the RNG tracker's
+    streams in and out, Python state that dynamo does not trace, so the
+    checkpoint stays outside the compiled layer."""
     for layer in decoder.held_layers():
         checkpoint_wrapper(layer, offload_to_cpu=offload_to_cpu)
     if offload_to_cpu:

@@ -20,7 +20,7 @@ whole stack of small layers pays more in host calls than it saves):
   calls for each new batch shape, each training pass replays one CUDA graph
   forward and one backward. The weight gradients then live in the graphs'
   memory pool until the next replay, which is why gradient accumulation
-  (``--update-freq`` > 1) is refused with it (:mod:`fairseq_megatron.models.options`).
+  (``--update-freq`` > 1) is refused with it (:mod:`fairseq_megatron.training.options`).
 
 Evaluation and incremental decoding stay eager: their shapes change every
 step and they gain nothing from fusion (:func:`runs_compiled`).

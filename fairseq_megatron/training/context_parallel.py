@@ -25,22 +25,25 @@ from fairseq_megatron.parallel.parallel_state import RankGroup
 logger = logging.getLogger(__name__)
 
 
-def apply_context_parallel(model: nn.Module, group: RankGroup) -> None:
+def apply_context_parallel(model: nn.Module, group: RankGroup) -> ContextSplit:
     """Make ``model`` (a ``model_parallel_transformer_lm``, any pipeline
     stage of it) split its training and validation passes over the
     context-parallel ``group`` of ``C`` ranks: the decoder keeps this rank's
     positions, padded to a multiple of ``2C`` (and of ``C x T`` with
     ``--sequence-parallel``), and each attention gathers the keys and values
-    of all of them."""
+    of all of them. Returns the split, which the trainer counts each
+    sample's share by (:func:`count_own_share`)."""
     decoder = model.decoder
-    decoder.context_split = ContextSplit(group, ContextSplit.multiple_for(
-        group.size, decoder.tensor_parallel.size, decoder.sequence_parallel))
+    split = ContextSplit(group, ContextSplit.multiple_for(group.size, decoder.tensor_parallel.size,
+                                                          decoder.sequence_parallel))
+    decoder.context_split = split
     for module in decoder.modules():
         if isinstance(module, ModelParallelMultiheadAttention):
             module.context_parallel = group
     chunks = 2 * group.size
     logger.info(f"context parallelism: each sequence split over {group.size} ranks, this one holding chunks "
                 f"{group.rank} and {chunks - 1 - group.rank} of {chunks}")
+    return split
 
 
 def count_own_share(sample: dict, split: ContextSplit, pad: int) -> dict:

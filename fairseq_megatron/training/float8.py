@@ -8,11 +8,13 @@ stays in high precision.
 """
 
 import logging
-
-import torch.nn as nn
-
 from typing import Optional
 
+import torch
+import torch.nn as nn
+from fairseq.utils import safe_getattr
+
+from fairseq_megatron.errors import UsageError
 from fairseq_megatron.modules import ColumnParallelLinear, ModelParallelMultiheadAttention, RowParallelLinear
 from fairseq_megatron.modules.float8 import Float8Training, emulated
 
@@ -45,3 +47,27 @@ def use_float8(layers: nn.Module, float8: Optional[Float8Training]) -> int:
             module.float8 = float8
             count += 1
     return count
+
+
+def check_fp8_environment(args, cpu: bool) -> None:
+    """Refuse ``--fp8`` on a machine that cannot run it, before any work:
+    torchao's float8 training must import, and unless the test mode
+    (``FAIRSEQ_MEGATRON_FP8_EMULATE=1``, :mod:`fairseq_megatron.modules.float8`)
+    emulates it, the run needs a CUDA GPU with float8 matrix multiplies
+    (compute capability 8.9 or newer: Ada, Hopper, Blackwell). ``cpu``:
+    fairseq's ``--cpu``. fairseq-train's start calls it.
+
+    Raises:
+        UsageError: either case, in one line.
+    """
+    if not safe_getattr(args, "fp8", False):
+        return
+    if not emulated():  # the device first: it needs no import of torchao
+        needs = ("--fp8 needs a GPU with float8 matrix multiplies (compute capability 8.9 or newer: Ada, Hopper, "
+                 "Blackwell)")
+        if cpu or not torch.cuda.is_available():
+            raise UsageError(f"{needs}; this run is on the CPU")
+        capability = torch.cuda.get_device_capability()
+        if capability < (8, 9):
+            raise UsageError(f"{needs}; {torch.cuda.get_device_name()} has {capability[0]}.{capability[1]}")
+    Float8Training.of_recipe(safe_getattr(args, "fp8_recipe", None) or "tensorwise", emulate=emulated())

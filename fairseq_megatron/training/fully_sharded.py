@@ -36,7 +36,9 @@ from typing import Iterable, List
 
 import torch
 import torch.nn as nn
+from fairseq.utils import safe_getattr
 
+from fairseq_megatron.errors import UsageError
 from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
 
 
@@ -88,21 +90,17 @@ def retag_parameters(module: nn.Module) -> None:
             child.tag_parameters()
 
 
-def shard_model(model: nn.Module, roots: List[nn.Module], cfg) -> None:
+def shard_model(model: nn.Module, roots: List[nn.Module], mesh, cfg) -> None:
     """Apply :func:`apply_fully_sharded` for fairseq-train's configuration
-    ``cfg``: over the layout's ``dp`` mesh (with context parallelism the
-    ``dp`` and ``cp`` dimensions flattened), each decoder layer of ``model``
-    one unit, each of ``roots`` (``[model]``, or the modules of a pipeline
-    stage's model chunks, each holding its layers) the rest;
+    ``cfg`` over the 1-D ``mesh`` of the ranks that average gradients (the
+    layout's ``dp``, or ``dp`` and ``cp`` flattened with context
+    parallelism: Megatron's data-and-context group), each decoder layer of
+    ``model`` one unit, each of ``roots`` (``[model]``, or the modules of a
+    pipeline stage's model chunks, each holding its layers) the rest;
     ``--no-reshard-after-forward``, ``--fp16`` and ``--fp32-reduce-scatter``
     as the module docstring says."""
-    from fairseq_megatron.parallel import parallel_state
-
     distributed = cfg.distributed_training
     layers = set(model.decoder.held_layers())
-    # Megatron's data-and-context group: the context-parallel ranks average their gradients with the data-parallel ones
-    mesh = parallel_state.get_device_mesh()
-    mesh = mesh["dp_cp"] if parallel_state.get_context_parallel_world_size() > 1 else mesh["dp"]
     for root in roots:
         apply_fully_sharded(root, [m for m in root.modules() if m in layers], mesh,
                             reshard_after_forward=not distributed.no_reshard_after_forward,
@@ -126,3 +124,52 @@ def gathered_state_dict(state: dict, keep: bool) -> dict:
         if keep:
             gathered[key] = value.detach().cpu() if torch.is_tensor(value) else value
     return gathered
+
+
+def check_fully_sharded(distributed, common, ema, model, checkpoint=None) -> None:
+    """Refuse what ``--ddp-backend fully_sharded`` (torch's FSDP2,
+    :mod:`fairseq_megatron.training.fully_sharded`) does not do for our
+    models (:class:`~fairseq_megatron.training.data_parallel.FullyShardedDataParallel`
+    checks it at fairseq-train's start). ``distributed``, ``common``,
+    ``ema``, ``checkpoint``: fairseq's ``cfg.distributed_training``,
+    ``cfg.common``, ``cfg.ema``, ``cfg.checkpoint``; ``model``: the model
+    config.
+
+    Each refusal says why: fairscale's options have no FSDP2 counterpart
+    (``--cpu-offload``, ``--use-sharded-state``: the checkpoints are always
+    this package's part files plus one optimizer shard per data-parallel
+    rank); ``--zero-sharding os`` would shard the optimizer state a second
+    time; ``--cuda-graphs`` would replay addresses of parameters FSDP2
+    gathers anew each step; fairseq's EMA keeps a whole model copy and its
+    ``--amp`` optimizer does not use FSDP2's mixed-precision policy; a save,
+    which every rank takes part in (each writes its optimizer shard, one
+    commit of all), is written synchronously to a local directory.
+
+    Raises:
+        UsageError: the first of these.
+    """
+    saving = checkpoint is not None and not checkpoint.no_save
+    refused = [
+        ("--cpu-offload", getattr(distributed, "cpu_offload", False),
+         "fairscale's FSDP option; torch's FSDP2 here keeps the parameter shards on the device"),
+        ("--use-sharded-state", getattr(distributed, "use_sharded_state", False),
+         "fairscale's FSDP option; checkpoints are always part files plus one optimizer shard per data-parallel "
+         "rank"),
+        (f"--zero-sharding {distributed.zero_sharding}", distributed.zero_sharding != "none",
+         "the optimizer state is sharded already, with the parameters"),
+        ("--cuda-graphs", safe_getattr(model, "cuda_graphs", False),
+         "FSDP2 gathers each layer's parameters into new memory every step, which a replayed CUDA graph "
+         "cannot follow"),
+        ("--store-ema", ema.store_ema, "fairseq's EMA keeps a whole copy of the model on every rank"),
+        ("--amp", common.amp, "fairseq's AMP optimizer is not wired to FSDP2's mixed-precision policy; use --fp16 "
+                              "or --bf16-autocast, which are"),
+        ("--write-checkpoints-asynchronously", saving and checkpoint.write_checkpoints_asynchronously,
+         "every rank takes part in a save (each writes its optimizer shard, one commit of all)"),
+        (f"--save-dir {checkpoint.save_dir if checkpoint is not None else ''} (a remote file system)",
+         saving and "://" in (checkpoint.save_dir or ""),
+         "the save's commit renames every rank's files in a local directory"),
+    ]
+    for flag, given, reason in refused:
+        if given:
+            raise UsageError(f"{flag} does not work with --ddp-backend fully_sharded ({reason}); drop it, or use "
+                             f"--ddp-backend pytorch_ddp")

@@ -163,15 +163,17 @@ class _HostCopy:
 def fused_adam_applies(optimizer, cfg) -> bool:
     """Whether ``optimizer`` (a fairseq optimizer, or None) is fairseq's
     ``FairseqAdam`` running fairseq's Python ``Adam`` where
-    :class:`FusedAdamW` can take over: fp32 parameters on CUDA, no
-    ``--use-old-adam`` or ``--fp16-adam-stats`` (fairseq's flags). An apex
-    FusedAdam that fairseq found is kept."""
+    :class:`FusedAdamW` can take over: fp32 parameters on CUDA, none of
+    them sharded over data-parallel ranks (FSDP2's ``DTensor``: fairseq's
+    Adam updates the shards), no ``--use-old-adam`` or ``--fp16-adam-stats``
+    (fairseq's flags). An apex FusedAdam that fairseq found is kept."""
     if type(optimizer) is not FairseqAdam or type(optimizer._optimizer) is not Adam:
         return False
     if getattr(cfg.optimizer, "use_old_adam", False) or getattr(cfg.optimizer, "fp16_adam_stats", False):
         return False
     params = [p for group in optimizer._optimizer.param_groups for p in group["params"]]
-    return bool(params) and all(p.is_cuda and p.dtype == torch.float32 for p in params)
+    return bool(params) and all(p.is_cuda and p.dtype == torch.float32 and not hasattr(p, "device_mesh")
+                                for p in params)
 
 
 class FairseqFusedAdam(FairseqAdam):

@@ -49,7 +49,6 @@ from fairseq import utils
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.models.pipeline_stage import Chunk, PipelineStageLayout
 from fairseq_megatron.parallel import parallel_state
-from fairseq_megatron.training.autocast import apply_bf16_autocast
 
 def _rows(sample) -> int:
     if not sample or "net_input" not in sample:
@@ -145,28 +144,21 @@ class PipelineSchedule:
     (see the module docstring).
 
     ``model``: this rank's stage (unwrapped; split for ``stage``);
+    ``chunk_modules``: the :class:`ChunkModule` of each of its model chunks,
+    as :func:`~fairseq_megatron.training.parallelize.parallelize` made them;
     ``micro_batches``: ``m``, the update's ``--update-freq``; ``rows`` x
-    ``length``: the micro-batch shape ``(B, T)``; ``pad``: the padding index;
-    ``bf16_autocast``: run the stage's passes under bf16 autocast
-    (:mod:`fairseq_megatron.training.autocast`). With model chunks
+    ``length``: the micro-batch shape ``(B, T)``; ``pad``: the padding index. With model chunks
     (``stage.virtual`` > 1) the schedule is torch's ``ScheduleInterleaved1F1B``
-    (Narayanan et al. 2021, section 2.2.2).
-
-    Raises (on construction):
-        UsageError: fewer micro-batches than stages.
+    (Narayanan et al. 2021, section 2.2.2). The options it needs (at least
+    one micro-batch per stage, full blocks) are checked before it is built
+    (:func:`~fairseq_megatron.training.options.check_pipeline_options`).
     """
 
-    def __init__(self, model, stage: PipelineStageLayout, micro_batches: int, rows: int, length: int, pad: int,
-                 bf16_autocast: bool = False):
+    def __init__(self, model, stage: PipelineStageLayout, chunk_modules, micro_batches: int, rows: int, length: int,
+                 pad: int):
         self.model = model
         self.stage = stage
-        # what torch's PipelineStage runs, one per model chunk: the root units of sharded data parallelism too
-        self.chunk_modules = [ChunkModule(model.decoder, chunk) for chunk in stage.chunks]
-        for module in self.chunk_modules if bf16_autocast else ():
-            apply_bf16_autocast(module)
-        if micro_batches < self.stage.stages:
-            raise UsageError(f"--update-freq {micro_batches} is below --pipeline-model-parallel-size "
-                             f"{self.stage.stages}: the 1F1B schedule needs at least one micro-batch per stage")
+        self.chunk_modules = list(chunk_modules)  # what torch's PipelineStage runs, one per model chunk
         self.micro_batches, self.rows, self.length, self.pad = micro_batches, rows, length, pad
         self.group = parallel_state.get_pipeline_model_parallel_group()
         self.last_rank = parallel_state.get_pipeline_model_parallel_ranks()[-1]

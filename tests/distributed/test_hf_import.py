@@ -26,7 +26,7 @@ from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelT
 from fairseq_megatron.models.pipeline_stage import PipelineStageLayout
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.parallel.mappings import gather_from_tensor_model_parallel_region
-from fairseq_megatron.training.parallelize import parallelize
+from fairseq_megatron.training.pipeline_split import split_for_stage
 from fairseq_megatron.training.pipeline_schedule import ChunkModule
 from tests.helpers import LMTask, run_distributed
 from tests.support import hf_models
@@ -54,7 +54,8 @@ def _log_probs(path: str, tokens: torch.Tensor, tensor: int, stages: int):
     dictionary = Dictionary.load(os.path.join(os.path.dirname(path), "dict.txt"))
     model = ModelParallelTransformerLanguageModel.build_model(args, LMTask(dictionary))
     stage = PipelineStageLayout.of(args)
-    parallelize(model, args, stage)
+    split_for_stage(model, stage)
+    model.materialize()
     model.load_state_dict(state["model"], strict=True)
     model.eval()
     held = {"layers": sorted(int(k.split(".")[2]) for k in state["model"] if k.endswith("fc1.weight")),

@@ -4,7 +4,9 @@ import json
 import os
 import re
 import shutil
+import sys
 
+import pytest
 import torch
 from fairseq.data import Dictionary, data_utils
 
@@ -39,6 +41,31 @@ def test_train_writes_one_part_per_rank(trained):
     assert not torch.equal(states[0]["model"]["decoder.embed_tokens.weight"],
                            states[1]["model"]["decoder.embed_tokens.weight"])
     assert "training on 2 devices" in trained["first_log"]
+
+
+def test_the_log_gives_throughput_per_gpu(trained):
+    """Each update the size-2 run (2 processes on a CPU) logged gives tokens/s
+    per process, ``wps / 2``, and model TFLOP/s per process, ``tps x (6 N +
+    12 L h s) / 1e12``, with ``N`` the benchmark's count from the shape
+    (tied embedding, the 512 padded rows the part files hold) and ``L h s =
+    2 x 64 x 32``: the figure scripts/benchmark.py reports for such a run;
+    and its peak memory; no MFU on a CPU."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "scripts"))
+    import benchmark
+
+    params = benchmark.count_params(dict(layers=2, hidden=64, ffn=256, heads=4, seq_len=32), 512)
+    flops_per_token = 6 * params + 12 * 2 * 64 * 32
+    updates = re.findall(r"\| epoch \d+: +\d+ / \d+ (.*)", trained["first_log"])
+    assert len(updates) == 4, trained["first_log"][-3000:]
+    for update in updates:
+        logged = dict(re.findall(r"(\w+)=([^,\s]+)", update))
+        wps, tps, tflops = (float(logged[key]) for key in ("wps", "tps", "tflops"))
+        # fairseq rounds wps to 0.1 tokens/s and reads the clock for it apart from ours: microseconds later, of an
+        # interval of tens of milliseconds here (one update)
+        assert tps == pytest.approx(wps / 2, rel=1e-2), update
+        # one reading of the clock for both; each printed to 6 significant digits ("{:g}")
+        assert tflops == pytest.approx(tps * flops_per_token / 1e12, rel=1e-5), update
+        assert float(logged["gb_peak"]) > 0 and "mfu" not in logged, update
 
 
 def test_resume_from_part_files(trained, tmp_path):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fairseq_megatron.errors import UsageError
-from fairseq_megatron.models.options import check_context_parallel_options, check_pipeline_data_parallel_backend
+from fairseq_megatron.models.options import check_context_parallel_options
+from fairseq_megatron.training.data_parallel import check_pipeline_data_parallel_backend
 from fairseq_megatron.parallel.context_parallel import ContextSplit
 from fairseq_megatron.parallel.layout import ParallelLayout
 from fairseq_megatron.parallel.parallel_state import RankGroup

@@ -21,7 +21,7 @@ def test_fully_sharded_refuses_what_fsdp2_does_not_do_in_one_line():
     from fairscale.nn import FullyShardedDataParallel, enable_wrap
 
     from fairseq_megatron.fairseq_integration.train import fsdp_wrap
-    from fairseq_megatron.models.options import check_fully_sharded
+    from fairseq_megatron.training.fully_sharded import check_fully_sharded
 
     def refusal(**given):
         distributed = SimpleNamespace(ddp_backend="fully_sharded", cpu_offload=False, use_sharded_state=False,
@@ -133,7 +133,7 @@ def test_training_precisions_that_fail_on_this_machine_are_refused(monkeypatch):
     import importlib.util
     from argparse import Namespace
 
-    from fairseq_megatron.models.options import check_training_precision
+    from fairseq_megatron.training.options import check_training_precision
 
     def common(**flags):
         fields = dict(bf16=False, memory_efficient_bf16=False, fp16=False, memory_efficient_fp16=False, cpu=False)
@@ -178,8 +178,7 @@ def test_cuda_graphs_need_the_compiled_layer_stack():
     Gradient accumulation, whose sums the replays would overwrite, is refused
     when the model is built."""
     from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
-    from fairseq_megatron.training.parallelize import parallelize
-    from tests.helpers import LMTask, model_args
+    from tests.helpers import LMTask, model_args, parallelized
 
     tokens, _ = make_batch(make_dictionary())
     for overrides in ({}, {"compile_layers": True, "checkpoint_activations": True},
@@ -191,7 +190,7 @@ def test_cuda_graphs_need_the_compiled_layer_stack():
             model(tokens)
         with pytest.raises(UsageError,
                            match="--cuda-graphs replays the compiled layer stack: it needs --compile-layers"):
-            parallelize(model, args)
+            parallelized(model, args)
     with pytest.raises(UsageError, match="--cuda-graphs with --update-freq 2: a CUDA graph replay would overwrite"):
         build_model(1, cuda_graphs=True, compile_layers=True, update_freq=[2])
     build_model(1, cuda_graphs=True, compile_layers=True, update_freq=[1])  # the supported case: fine

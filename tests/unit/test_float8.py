@@ -20,10 +20,9 @@ from fairseq_megatron.modules.float8 import EMULATE_VARIABLE, Float8Training
 from fairseq_megatron.training.float8 import use_float8
 from fairseq_megatron.modules.model_parallel_multihead_attention import ModelParallelMultiheadAttention
 from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
-from fairseq_megatron.models.options import check_fp8_environment
+from fairseq_megatron.training.float8 import check_fp8_environment
 from fairseq_megatron.training.compile import compile_layer_stack
-from fairseq_megatron.training.parallelize import parallelize
-from tests.helpers import LMTask, build_model, make_batch, make_dictionary, model_args
+from tests.helpers import LMTask, build_model, make_batch, make_dictionary, model_args, parallelized
 from tests.support.float8 import (
     RECIPES,
     assert_normwise_close,
@@ -242,4 +241,4 @@ def test_fp8_needs_torchao_and_a_float8_gpu(monkeypatch):
     with torch.no_grad():
         model(make_batch(make_dictionary())[0])
     with pytest.raises(UsageError, match=r"^--fp8 needs torchao's float8 training"):
-        parallelize(model, args)
+        parallelized(model, args)

@@ -18,7 +18,8 @@ from fairseq_megatron.checkpoint.part_files import (
 )
 from fairseq_megatron.checkpoint.resharding import PartFiles, reshard, split_stages
 from fairseq_megatron.errors import UsageError
-from fairseq_megatron.models.options import check_pipeline_data_parallel_backend, check_pipeline_options
+from fairseq_megatron.training.options import check_pipeline_options
+from fairseq_megatron.training.data_parallel import check_pipeline_data_parallel_backend
 from fairseq_megatron.models.pipeline_stage import PipelineStageLayout
 from fairseq_megatron.parallel.parallel_state import ParallelLayout
 from fairseq_megatron.training.pipeline_schedule import stack_micro_batches

@@ -164,6 +164,11 @@ class SlowMo(DataParallel):
     backends = ("slowmo",)
 
 
+# fairseq's optimizers whose update of a parameter reads more than each of its elements
+# (factored or per-row statistics): their ``supports_flat_params`` is False.
+NOT_POINTWISE = ("adafactor", "lamb", "adagrad")
+
+
 class FullyShardedDataParallel(DataParallel):
     """torch's FSDP2 (:mod:`fairseq_megatron.training.fully_sharded`) over
     :attr:`gradients`: each rank holds ``1 / (D x C)`` of every parameter,
@@ -183,6 +188,12 @@ class FullyShardedDataParallel(DataParallel):
         super().check(cfg, stages, data_parallel_size, context_parallel_size)
         if cfg is not None:
             check_fully_sharded(cfg.distributed_training, cfg.common, cfg.ema, cfg.model, cfg.checkpoint)
+            optimizer = getattr(cfg.get("optimizer") or {}, "_name", None)
+            if optimizer in NOT_POINTWISE:  # fairseq's own rule for fully_sharded (fairseq/trainer.py)
+                raise UsageError(f"--optimizer {optimizer} does not work with --ddp-backend fully_sharded: each rank "
+                                 f"updates its shard of every parameter alone, which only pointwise optimizers "
+                                 f"(Adam, AdamW, Adadelta, Adamax, SGD) do as on whole parameters; use one of them, "
+                                 f"or --ddp-backend pytorch_ddp")
 
     def apply(self, model, roots, cfg):
         """``fully_shard`` each decoder layer and then each of ``roots``

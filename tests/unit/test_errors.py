@@ -256,3 +256,25 @@ def test_transformer_lm_options_the_layers_lack_are_refused(overrides, given):
     model, dictionary = build_model(1, decoder_layerdrop=0.5, activation_fn="relu", decoder_normalize_before=False,
                                     layernorm_embedding=True)
     assert model(make_batch(dictionary)[0])[0].shape[-1] == len(dictionary)
+
+
+@pytest.mark.parametrize("optimizer", ["adafactor", "adagrad", "adam"])
+def test_fully_sharded_refuses_an_optimizer_that_is_not_pointwise(optimizer):
+    """fairseq refused non-pointwise optimizers under fully_sharded (each
+    rank updates its shard alone: Adafactor's row and column statistics of a
+    shard are not those of the parameter); the refusal moved with the
+    backend's checks and is kept, as one line."""
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    from fairseq_megatron.training.data_parallel import FullyShardedDataParallel
+
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        "data", "--task", "language_modeling", "--arch", "transformer_lm_megatron", "--ddp-backend", "fully_sharded",
+        "--optimizer", optimizer, "--criterion", "vocab_parallel_cross_entropy", "--lr", "0.001"])
+    cfg = convert_namespace_to_omegaconf(args)
+    if optimizer == "adam":
+        FullyShardedDataParallel.check(cfg, 1, 2)
+        return
+    with pytest.raises(UsageError, match=f"--optimizer {optimizer} does not work with --ddp-backend fully_sharded"):
+        FullyShardedDataParallel.check(cfg, 1, 2)

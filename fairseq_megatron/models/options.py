@@ -7,6 +7,7 @@ parallel sizes where the layout is built
 (:class:`fairseq_megatron.parallel.layout.ParallelLayout`).
 """
 
+import os
 from typing import Optional, Sequence
 
 from fairseq.utils import safe_getattr
@@ -134,9 +135,35 @@ def check_options(args, model_parallel_size: int) -> None:
     if args.decoder_embed_dim % args.decoder_attention_heads != 0:
         raise UsageError(f"--decoder-embed-dim {args.decoder_embed_dim} is not divisible by "
                          f"--decoder-attention-heads {args.decoder_attention_heads}")
+    check_positions(args)
     check_context_parallel_options(args)
     check_fp8_options(args, model_parallel_size)
     check_implemented(args)
+
+
+def check_positions(args) -> None:
+    """Refuse a number of positions whose table alone cannot be held here:
+    fairseq builds the positional embedding of ``--max-target-positions``
+    (default ``--tokens-per-sample``) rows, plus the padding index's, of
+    ``--decoder-embed-dim`` fp32 values, sinusoidal or learned, whole on
+    every rank; past the machine's memory that was an allocator's traceback
+    (``--tokens-per-sample 1000000000``: 128 GB at dimension 32).
+
+    Raises:
+        UsageError: the table is larger than this machine's memory.
+    """
+    if safe_getattr(args, "no_token_positional_embeddings", False):
+        return
+    positions = safe_getattr(args, "max_target_positions", None) or safe_getattr(args, "tokens_per_sample", None)
+    if positions is None:
+        return
+    table = (int(positions) + 2) * int(args.decoder_embed_dim) * 4  # rows from pad + 1 on, fp32
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if table > memory:
+        flag = "--max-target-positions" if safe_getattr(args, "max_target_positions", None) else "--tokens-per-sample"
+        raise UsageError(f"{flag} {positions}: the model's table of positions alone would take {table / 1e9:,.1f} GB "
+                         f"({positions:,} rows of {args.decoder_embed_dim} fp32 values), more than this machine's "
+                         f"{memory / 1e9:,.1f} GB of memory; give the length of the sequences the model reads")
 
 
 def check_context_parallel_options(args) -> None:

@@ -278,3 +278,19 @@ def test_fully_sharded_refuses_an_optimizer_that_is_not_pointwise(optimizer):
         return
     with pytest.raises(UsageError, match=f"--optimizer {optimizer} does not work with --ddp-backend fully_sharded"):
         FullyShardedDataParallel.check(cfg, 1, 2)
+
+
+def test_a_table_of_positions_larger_than_memory_is_one_line_at_launch():
+    """``fairseq-train --tokens-per-sample 1000000000`` died in the
+    allocator building the sinusoidal table (128 GB at dimension 32); the
+    architecture function, which fairseq runs while parsing, refuses it."""
+    from fairseq_megatron.models.options import check_positions
+    from tests.helpers import model_args
+
+    args = model_args(1)
+    check_positions(args)  # the tests' 16 positions
+    args.max_target_positions, args.tokens_per_sample = None, 10 ** 9
+    with pytest.raises(UsageError, match=r"--tokens-per-sample 1000000000: the model's table of positions alone "
+                                         r"would take 128\.0 GB \(1,000,000,000 rows of 32 fp32 values\), more than "
+                                         r"this machine's"):
+        check_positions(args)

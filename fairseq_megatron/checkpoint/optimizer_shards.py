@@ -245,5 +245,24 @@ def optimizer_state_for(saved: dict, part: str, token: Optional[str], parameters
                               f"to start it afresh") from None
 
 
+def joined_optimizer_state(saved: dict, part: str, token: Optional[str]) -> Tuple[dict, List[str]]:
+    """The whole optimizer state of part file ``part`` (final name) of save
+    ``token``, joined from its ``saved["optimizer_shards"]`` shards, in
+    torch's form (:func:`as_optimizer_state`), and the parameter keys it
+    numbers, in order: what the resharding tool splits for another size
+    (``--keep-optimizer``). Holds that part's whole state in memory.
+
+    Raises:
+        CheckpointError: a shard missing, cut short or of another save.
+    """
+    shards = read_shards(part, int(saved["optimizer_shards"]), token)
+    try:
+        entries = join(shards)
+    except ValueError as e:
+        raise CheckpointError(f"cannot join the optimizer shards of {part}: {e}") from None
+    keys = list(shards[0]["keys"])
+    return as_optimizer_state(entries, keys, shards[0]["rest"]), keys
+
+
 def _names(keys: List[str]) -> str:
     return f"{keys[0]} ... ({len(keys)})" if keys else "(none)"

@@ -52,7 +52,9 @@ from fairseq_megatron.checkpoint.layout import (
     tied_keys,
 )
 from fairseq_megatron.checkpoint import safe_loading
+from fairseq_megatron.checkpoint.commit import saved_token
 from fairseq_megatron.checkpoint.integrity import check_integrity
+from fairseq_megatron.checkpoint.optimizer_shards import joined_optimizer_state
 from fairseq_megatron.checkpoint.part_files import (
     can_be_memory_mapped,
     check_one_save,
@@ -335,20 +337,20 @@ class PartFiles:
         for f, state in zip(self.files[1:], loaded[1:]):
             if list(state["model"].keys()) != self.keys:
                 raise CheckpointError(f"{f} holds different tensors than {self.files[0]}")
+        joined = False
         if with_optimizer:
             if self.stages > 1:
                 raise CheckpointError(f"{path} is in {self.stages} pipeline stages: its optimizer state is not "
                                       f"resharded (each stage's optimizer holds that stage's parameters)")
             for f, state in zip(self.files, loaded):
                 if state.get("optimizer_shards") and not state.get("last_optimizer_state"):
-                    raise CheckpointError(
-                        f"{f} keeps its optimizer state in {state['optimizer_shards']} optimizer shards (saved under "
-                        f"--ddp-backend fully_sharded), which --keep-optimizer does not read: resume it once with "
-                        f"fairseq-train --ddp-backend pytorch_ddp and reshard the checkpoint that run saves, or "
-                        f"reshard without --keep-optimizer")
+                    joined = True  # saved under --ddp-backend fully_sharded: the shards joined, kept in memory
+                    state["last_optimizer_state"], order = joined_optimizer_state(state, f, saved_token(state))
+                    if order != parameter_keys(list(state["model"]), tied_keys(state["model"])):
+                        raise CheckpointError(f"the optimizer shards of {f} are of other parameters than its model's")
                 if not state.get("last_optimizer_state"):
                     raise CheckpointError(f"{f} holds no optimizer state")
-        if self.mmap:
+        if self.mmap and not joined:
             self._kept = None
         else:
             self._kept = loaded if with_optimizer else [

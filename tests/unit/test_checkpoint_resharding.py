@@ -566,3 +566,48 @@ def test_the_model_parallel_size_is_required_to_reshard_and_its_help_says_so(tmp
     assert "unless --to-fairseq" not in err and not os.path.exists(tmp_path / "out")
     help_text = " ".join(reshard_checkpoint.build_parser().format_help().split())
     assert "--model-parallel-size T new model-parallel size (required, except with --to-" in help_text  # wrapped there
+
+
+def _in_optimizer_shards(path, shards):
+    """Checkpoint ``path``'s parts rewritten as ``--ddp-backend fully_sharded``
+    saves them: each part's Adam moments cut along dimension 0 by
+    ``torch.chunk`` into ``shards`` files beside it (FSDP2's rows), the part
+    holding the number of shards in place of its optimizer state."""
+    from fairseq_megatron.checkpoint import optimizer_shards
+    from fairseq_megatron.checkpoint.layout import parameter_keys, tied_keys
+
+    for part in find_part_files(path):
+        state = torch.load(part, weights_only=False)
+        keys = parameter_keys(list(state["model"]), tied_keys(state["model"]))
+        entries, rest = optimizer_shards.by_key(state.pop("last_optimizer_state"), keys)
+        for rank in range(shards):
+            local = {key: {name: value.chunk(shards)[rank].clone() if torch.is_tensor(value) and value.dim() else value
+                           for name, value in values.items()} for key, values in entries.items()}
+            shapes = {f"{key}.{name}": tuple(value.shape) for key, values in entries.items()
+                      for name, value in values.items() if torch.is_tensor(value) and value.dim()}
+            torch.save({"entries": local, "shapes": shapes, "rest": rest, "keys": keys, "token": None, "rank": rank,
+                        "shards": shards}, optimizer_shards.shard_path(part, rank))
+        state["optimizer_shards"] = shards
+        torch.save(state, part)
+
+
+def test_optimizer_shards_reshard_with_keep_optimizer(tmp_path):
+    """A checkpoint saved under fully_sharded (2 parts, each's optimizer
+    state in 2 shards): resuming it at another size was refused with the
+    advice to reshard it with --keep-optimizer, which refused optimizer
+    shards. The shards are joined: the output's optimizer state is bitwise
+    what resharding the same state saved whole gives."""
+    whole, sharded = (str(tmp_path / d / "model.pt") for d in ("whole", "sharded"))
+    for path in (whole, sharded):
+        os.makedirs(os.path.dirname(path))
+        save_checkpoint(path, 2, optimizer="per-parameter")
+    _in_optimizer_shards(sharded, 2)
+    assert "last_optimizer_state" not in torch.load(part_path(sharded, 0), weights_only=False)
+    outputs = [str(tmp_path / "out" / d / "model.pt") for d in ("whole", "sharded")]
+    assert reshard_checkpoint.main(["--input", whole, "--output", outputs[0], "--model-parallel-size", "1",
+                                    "--keep-optimizer"]) == 0
+    assert reshard_checkpoint.main(["--input", sharded, "--output", outputs[1], "--model-parallel-size", "1",
+                                    "--keep-optimizer"]) == 0
+    (a,), (b,) = (_optimizer_state(o) for o in outputs)
+    _assert_same_optimizer_state(a, b)
+    assert len(a["state"]) > 10

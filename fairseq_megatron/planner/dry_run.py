@@ -177,9 +177,8 @@ def _step(flags: List[str], layout: Layout, training: Training, stage: str) -> D
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import fairseq_megatron  # noqa: F401  (registers the model, criterion and task options)
-    from fairseq_megatron.models.pipeline_stage import PipelineStageLayout
+    from fairseq_megatron.parallel import parallel_state
     from fairseq_megatron.parallel.rng_tracker import model_parallel_manual_seed
-    from fairseq_megatron.training.fully_sharded import shard_model
     from fairseq_megatron.training.parallelize import parallelize
     from fairseq_megatron.training.pipeline_schedule import ChunkModule
 
@@ -188,12 +187,10 @@ def _step(flags: List[str], layout: Layout, training: Training, stage: str) -> D
     task = tasks.setup_task(cfg.task)
     with FakeTensorMode(allow_non_fake_inputs=True), _what_fake_tensors_cannot_run():
         model, criterion = task.build_model(cfg.model), task.build_criterion(cfg.criterion)
-        layout_of_stage = PipelineStageLayout.of(cfg.model)
-        parallelize(model, cfg.model, layout_of_stage)
-        chunks = [ChunkModule(model.decoder, chunk) for chunk in layout_of_stage.chunks]
-        if training.fully_sharded:
-            shard_model(model, chunks if layout.pp > 1 else [model], cfg)
-        elif training.precision in ("fp16", "memory-efficient-fp16"):
+        parallelized = parallelize(model, parallel_state.get_process_groups(), cfg)  # FSDP2 shards here
+        chunks = list(parallelized.chunk_modules) or \
+            [ChunkModule(model.decoder, chunk) for chunk in parallelized.stage.chunks]
+        if not training.fully_sharded and training.precision in ("fp16", "memory-efficient-fp16"):
             _half(model)  # fairseq's trainer calls model.half(), before it builds the optimizer
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = _fairseq_optimizer(cfg, params, training, optim)

@@ -2,13 +2,14 @@
 (``fairseq-megatron-reshard --to-fairseq``)."""
 
 import copy
+import logging
 import dataclasses
 import os
 import re
 from argparse import Namespace
 from typing import Optional
 
-from fairseq_megatron.checkpoint.hf_export import refuse_masked_rows
+from fairseq_megatron.checkpoint.hf_export import refuse_masked_rows, source_rows_beyond
 from fairseq_megatron.checkpoint.layout import CheckpointError
 from fairseq_megatron.checkpoint.resharding import (
     EMBED_KEYS,
@@ -18,6 +19,9 @@ from fairseq_megatron.checkpoint.resharding import (
     prepare_outputs,
     save_verified,
 )
+
+logger = logging.getLogger(__name__)
+
 
 def _plain(value):
     """Config values as plain Python (no Namespace / omegaconf objects)."""
@@ -95,7 +99,13 @@ def export_to_fairseq(input_path: str, output_path: str, vocab_size: Optional[in
     """
     parts = prepare_outputs(input_path, output_path, [output_path], parts=parts)
     rows = parts.padded_vocab_size
-    refuse_masked_rows(model_config(parts.metadata), vocab_size or rows, "--to-fairseq", "fairseq's transformer_lm")
+    config = model_config(parts.metadata)
+    refuse_masked_rows(config, vocab_size or rows, "--to-fairseq", "fairseq's transformer_lm")
+    kept = source_rows_beyond(config, vocab_size or rows, rows)
+    if kept > (vocab_size or rows):
+        logger.warning(f"--to-fairseq: rows {vocab_size} to {kept - 1} of {input_path}, its source's own beyond its "
+                       f"tokenizer (an import's), are left out: fairseq's transformer_lm has a row per symbol of "
+                       f"dict.txt; the probabilities change by the share those rows took (--to-hf keeps them)")
     model = model_part(parts, 0, 1, check_replicas=True, progress=None)
     if vocab_size is not None:
         if vocab_size > rows:

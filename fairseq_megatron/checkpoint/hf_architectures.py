@@ -298,6 +298,9 @@ class GPT2(Architecture):
         tokenizer = read_tokenizer(self.directory)
         if tokenizer is not None:
             self.check_rows(len(tokenizer.pieces))
+            if eos >= len(tokenizer.pieces):
+                self.refuse("eos_token_id", f"the directory's tokenizer has {len(tokenizer.pieces)} tokens and none "
+                                            f"of that id: it is not this model's tokenizer")
             if merges is not None:
                 check_merges(tokenizer, merges, vocab_bpe, self.directory)
         if encoder is not None and tokenizer is not None:

@@ -174,6 +174,23 @@ def refuse_masked_rows(config, vocab_size: int, flag: str, target: str) -> None:
                          f"the rows an imported model's source lacks), which {target} cannot express")
 
 
+def source_rows_beyond(config, vocab_size: int, rows: int) -> int:
+    """Where the rows an export keeps end: at ``vocab_size`` (the
+    dictionary's), or, for a model imported from transformers
+    (``--masked-vocab-rows``), past the unmasked rows after it, which are
+    its source's own rows beyond its tokenizer (OPT's 50265 to 50271), as
+    the source computed its softmax over them; ``rows``: the checkpoint's."""
+    from fairseq_megatron.models.masked_vocab_rows import parse_rows
+
+    masked = parse_rows(config_value(config, "masked_vocab_rows"))
+    if not masked:
+        return vocab_size
+    end = vocab_size
+    while end < rows and not any(end in r for r in masked):
+        end += 1
+    return end
+
+
 def hf_name(key: str) -> Optional[str]:
     """The XGLMForCausalLM parameter name of our key, or None for a key the
     export drops (fairseq's version marker, the positions' placeholder).
@@ -329,6 +346,7 @@ def export_to_transformers(input_path: str, output_dir: str, dictionary=None, en
     if bool(config_value(config, "share_decoder_input_output_embed", False)) != tied:
         raise CheckpointError(f"{input_path}: the config says the output projection is "
                               f"{'' if tied else 'not '}tied to the embedding, and the weights say otherwise")
+    vocab_size = source_rows_beyond(config, vocab_size, rows)
     refuse_masked_rows(config, vocab_size, "--to-hf", "XGLM")
     hf_config = xglm_config(config, vocab_size, DTYPES[dtype] if dtype else torch.float32)
     tokenizer = None

@@ -34,7 +34,7 @@ import torch
 
 from fairseq_megatron.checkpoint import commit
 from fairseq_megatron.checkpoint.hf_architectures import Architecture, architecture_of
-from fairseq_megatron.checkpoint.hf_tokenizer import read_gpt2_files
+from fairseq_megatron.checkpoint.hf_tokenizer import SPECIAL_SYMBOLS, read_gpt2_files
 from fairseq_megatron.checkpoint.hf_vocabulary import VocabularyPlan, padding_multiple, read_dict_symbols
 from fairseq_megatron.checkpoint.hf_weights import SourceWeights
 from fairseq_megatron.checkpoint.layout import (
@@ -75,7 +75,12 @@ class Import:
         if (encoder_json is None) != (vocab_bpe is None):
             raise UsageError("--encoder-json and --vocab-bpe go together: GPT-2's BPE is both files")
         if not os.path.isdir(directory):
+            if os.path.exists(directory):
+                raise UsageError(f"--from-hf {directory} is a file: give the directory that holds it and config.json")
             raise FileNotFoundError(f"--from-hf {directory}: no such directory")
+        for flag, path in (("--encoder-json", encoder_json), ("--vocab-bpe", vocab_bpe)):
+            if path is not None and not os.path.isfile(path):
+                raise FileNotFoundError(f"{flag} {path}: no such file")
         self.directory, self.tensor, self.stages = directory, tensor, stages
         self.dtype = DTYPES[dtype] if dtype else None
         config = _read_config(directory)
@@ -101,6 +106,11 @@ class Import:
     # ------------------------------------------------------------ tensors
 
     def _checked(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"{self.directory}: the weights of {key} are {str(tensor.dtype).replace('torch.', '')}, "
+                                  f"not floating point")
+        if not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{self.directory}: the weights of {key} hold NaN or infinite values")
         if key not in self.shapes:
             raise CheckpointError(f"the import made {key}, which {self.architecture.name}'s counterpart here lacks")
         if tuple(tensor.shape) != self.shapes[key]:
@@ -187,12 +197,16 @@ class Import:
 
         Raises:
             CheckpointError / UsageError: an output name that is a directory or
-                holds another layout's files, a ``dict.txt`` there of another
+                holds a checkpoint's files already, a ``dict.txt`` there of another
                 vocabulary, a failed write (nothing is left of it) or
                 verification.
         """
         outputs = output_paths(output, self.tensor, self.stages)
         check_output_name(output, outputs)
+        existing = [f for f in [*outputs, commit.manifest_path(output)] if os.path.lexists(f)]
+        if existing:
+            raise UsageError(f"{existing[0]} exists: the import writes a new checkpoint and replaces none; choose "
+                             f"another --output, or remove the checkpoint that is there")
         dict_path = os.path.join(os.path.dirname(os.path.abspath(output)), "dict.txt")
         write_dict = self._dictionary_to_write(dict_path)
         try:
@@ -308,6 +322,7 @@ def model_arguments(options: dict, vocabulary: VocabularyPlan, tensor: int, stag
     from fairseq import options as fairseq_options
 
     from fairseq_megatron.models.masked_vocab_rows import format_rows
+    from fairseq_megatron.models.options import dictionary_checksum
 
     positions = str(options["max_target_positions"])
     flags = ["--task", "language_modeling", "--arch", "transformer_lm_megatron",
@@ -326,6 +341,7 @@ def model_arguments(options: dict, vocabulary: VocabularyPlan, tensor: int, stag
     with _hydra_quietly():
         args = fairseq_options.parse_args_and_arch(fairseq_options.get_training_parser(), input_args=["."] + flags)
     args.dictionary_size = vocabulary.dictionary_size
+    args.dictionary_checksum = dictionary_checksum(list(SPECIAL_SYMBOLS) + vocabulary.symbols)
     return args
 
 

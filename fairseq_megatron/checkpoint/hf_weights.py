@@ -96,8 +96,9 @@ class SourceWeights:
             except Exception as e:  # safetensors' SafetensorError: truncated, not safetensors
                 raise CheckpointError(f"cannot read {path}: {e}") from None
         from fairseq_megatron.checkpoint import safe_loading
-        from fairseq_megatron.checkpoint.part_files import can_be_memory_mapped
+        from fairseq_megatron.checkpoint.part_files import can_be_memory_mapped, check_whole
 
+        check_whole(path)  # cut short: one line that says so
         try:
             state = safe_loading.load(path, mmap=can_be_memory_mapped(path))
         except CheckpointError:

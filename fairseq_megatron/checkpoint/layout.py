@@ -91,7 +91,7 @@ def model_on_meta(config, padded_vocab_size: int) -> nn.Module:
 
     args = arguments_of(config)
     args.model_parallel_size, args.pipeline_model_parallel_size = 1, 1
-    args.padded_vocab_size, args.dictionary_size = padded_vocab_size, None
+    args.padded_vocab_size, args.dictionary_size, args.dictionary_checksum = padded_vocab_size, None, None
 
     class _Task:  # what build_model reads of a task
         source_dictionary = target_dictionary = Dictionary()

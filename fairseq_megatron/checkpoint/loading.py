@@ -282,7 +282,8 @@ def part_for_evaluation(path: str, arg_overrides=None):
 
 
 def check_vocabulary(dictionary, dictionary_size: int, built_rows: int, saved: Optional[int],
-                     symbols: Optional[int], path: str) -> None:
+                     symbols: Optional[int], path: str, checksum: Optional[str] = None,
+                     accept_other: bool = False) -> None:
     """fairseq-train builds the model before it loads a checkpoint, padding
     its ``dictionary`` (of ``dictionary_size`` symbols) for this run's size
     to ``built_rows`` vocabulary rows; a checkpoint from another size keeps
@@ -291,7 +292,9 @@ def check_vocabulary(dictionary, dictionary_size: int, built_rows: int, saved: O
     ... ensure that the architectures match". With ``--padded-vocab-size``
     the rows agree for any dictionary up to that size, so the dictionary's own
     size is checked against the one the checkpoint records (``symbols``, None
-    when unknown).
+    when unknown), and its symbols against the checkpoint's ``checksum``
+    (:func:`~fairseq_megatron.models.options.check_dictionary_size`; not with
+    ``accept_other``).
 
     Raises:
         UsageError: the rows differ (the message gives the flag to add), or
@@ -299,7 +302,7 @@ def check_vocabulary(dictionary, dictionary_size: int, built_rows: int, saved: O
     """
     from fairseq_megatron.models.options import check_dictionary_size
 
-    check_dictionary_size(dictionary.symbols, dictionary_size, symbols, path)
+    check_dictionary_size(dictionary.symbols, dictionary_size, symbols, path, checksum, accept_other)
     if saved is not None and saved != built_rows:
         raise UsageError(
             f"{path} has a vocabulary of {saved} rows (the dictionary padded for the model-parallel "
@@ -347,21 +350,22 @@ def part_for_training(filename: str, suffix: str, cfg, dictionary, reset_optimiz
     except FileNotFoundError:
         return None
     store_ema, stages = cfg.ema.store_ema, parallel_state.get_pipeline_model_parallel_world_size()
-    vocabulary = lambda rows, symbols: check_vocabulary(  # noqa: E731
-        dictionary, cfg.model.dictionary_size, cfg.model.padded_vocab_size, rows, symbols, path)
+    accept_other = bool(getattr(cfg.model, "accept_other_dictionary", False))
+    vocabulary = lambda rows, symbols, checksum: check_vocabulary(  # noqa: E731
+        dictionary, cfg.model.dictionary_size, cfg.model.padded_vocab_size, rows, symbols, path, checksum, accept_other)
     if len(opened.files) == size and opened.stages == stages and filename in opened.every_file:
         mine = opened.read_through(filename)
         check_integrity_on_every_rank(mine.source, filename)
-        rows, symbols = saved_vocabulary(mine)
-        vocabulary(rows and rows * size, symbols)
+        rows, symbols, checksum = saved_vocabulary(mine)
+        vocabulary(rows and rows * size, symbols, checksum)
         if not store_ema:
             return PreparedCheckpoint(mine.name, file=mine)
         return PreparedCheckpoint(mine.name, state=ema_from_the_weights(
             checkpoint_utils.load_checkpoint_to_cpu(mine), filename))
     _refuse_another_layout(path, opened, cfg, reset_optimizer)
     first = opened.read_through(opened.every_file[0])
-    rows, symbols = saved_vocabulary(first)
-    vocabulary(rows and rows * len(opened.files), symbols)
+    rows, symbols, checksum = saved_vocabulary(first)
+    vocabulary(rows and rows * len(opened.files), symbols, checksum)
     state = resharded_state(path, opened, with_ema=store_ema,
                             virtual=int(getattr(cfg.model, "virtual_pipeline_model_parallel_size", 1) or 1))
     if state is None:
@@ -370,7 +374,9 @@ def part_for_training(filename: str, suffix: str, cfg, dictionary, reset_optimiz
     # rows unknown above for files saved by PyTorch < 1.6 (not memory-mapped); a middle stage has no embedding
     embedding = state["model"].get("decoder.embed_tokens.weight")
     if embedding is not None:
-        vocabulary(embedding.size(0) * size, config_value(model_config(state), "dictionary_size"))
+        config = model_config(state)
+        vocabulary(embedding.size(0) * size, config_value(config, "dictionary_size"),
+                   config_value(config, "dictionary_checksum"))
     return PreparedCheckpoint(first.name, state=ema_from_the_weights(state, path) if store_ema else state)
 
 

@@ -241,20 +241,22 @@ def merge_stages(states: List[dict], files: List[str]) -> dict:
     return merged
 
 
-def saved_vocabulary(path) -> Tuple[Optional[int], Optional[int]]:
-    """``(rows, dictionary_size)`` of checkpoint file ``path`` (a name, or a
+def saved_vocabulary(path) -> Tuple[Optional[int], Optional[int], Optional[str]]:
+    """``(rows, dictionary_size, dictionary_checksum)`` of checkpoint file
+    ``path`` (a name, or a
     :class:`~fairseq_megatron.checkpoint.reading.FileAsOpened`): the rows of
     its token embedding (one model part: the padded vocabulary divided by
-    the size it was saved at) and the dictionary size its config records,
-    read through a memory map without loading the tensors. Each is None when
-    unknown: a file in the legacy format, without that tensor, or saved
-    before the dictionary size was recorded."""
+    the size it was saved at), and the dictionary's size and checksum its
+    config records, read through a memory map without loading the tensors.
+    Each is None when unknown: a file in the legacy format, without that
+    tensor, or saved before the record."""
     if not can_be_memory_mapped(source_of(path)):
-        return None, None
+        return None, None, None
     state = _load(source_of(path), name=name_of(path))
     embedding = state["model"].get(EMBED_KEYS[0])
-    return (None if embedding is None else embedding.size(0),
-            config_value(model_config(state), "dictionary_size"))
+    config = model_config(state)
+    return (None if embedding is None else embedding.size(0), config_value(config, "dictionary_size"),
+            config_value(config, "dictionary_checksum"))
 
 
 def read_checkpoint(path) -> dict:
@@ -346,7 +348,7 @@ class PartFiles:
                 if state.get("optimizer_shards") and not state.get("last_optimizer_state"):
                     joined = True  # saved under --ddp-backend fully_sharded: the shards joined, kept in memory
                     state["last_optimizer_state"], order = joined_optimizer_state(state, f, saved_token(state))
-                    if order != parameter_keys(list(state["model"]), tied_keys(state["model"])):
+                    if order != parameter_keys(list(state["model"]), aliases_of(state)):
                         raise CheckpointError(f"the optimizer shards of {f} are of other parameters than its model's")
                 if not state.get("last_optimizer_state"):
                     raise CheckpointError(f"{f} holds no optimizer state")
@@ -357,7 +359,7 @@ class PartFiles:
                 {"model": state["model"], "extra_state": state.get("extra_state")} for state in loaded]
         del loaded, loaded_files
         self.metadata = {k: v for k, v in first.items() if k != "model"}
-        self.aliases = tied_keys(first["model"])
+        self.aliases = aliases_of(first)
         self.padded_vocab_size = first["model"]["decoder.embed_tokens.weight"].size(0) * len(self.files)
         # how each tensor is split: what the parameters of the model the config describes say
         self.dims = partition_dims(model_config(first), self.padded_vocab_size)
@@ -397,6 +399,20 @@ class PartFiles:
                 raise CheckpointError(f"{f} holds no {entry!r} state dict, but {self.files[0]} does")
             found.append(value)
         return found
+
+
+def aliases_of(state: dict) -> Dict[str, str]:
+    """``{key: the key it is tied to}`` of checkpoint ``state``'s model: the
+    tensors saved once for two keys (:func:`~.layout.tied_keys`), and the
+    output projection of a model trained tied whose save holds it apart, a
+    copy of the embedding (a ``fully_sharded`` save gathers each tensor on
+    its own)."""
+    aliases = tied_keys(state["model"])
+    projection, embedding = EMBED_KEYS[1], EMBED_KEYS[0]
+    if projection in state["model"] and projection not in aliases and config_value(
+            model_config(state), "share_decoder_input_output_embed", False):
+        aliases[projection] = embedding
+    return aliases
 
 
 def layer_groups(keys: Iterable[str]) -> List[List[str]]:

@@ -27,6 +27,7 @@ XGLM) instead of ``--input``: our parts at ``--model-parallel-size`` and
 """
 
 import argparse
+import os
 import sys
 from typing import Optional
 
@@ -51,7 +52,7 @@ from fairseq_megatron.errors import UsageError
 from fairseq_megatron.models.options import check_dictionary_size
 
 
-def read_dictionary(parts: PartFiles, dict_path: Optional[str]):
+def read_dictionary(parts: PartFiles, dict_path: Optional[str], accept_other: bool = False):
     """fairseq's ``Dictionary`` of ``--dict dict_path`` (None without it),
     refused if other than the dictionary the checkpoint records.
 
@@ -70,12 +71,13 @@ def read_dictionary(parts: PartFiles, dict_path: Optional[str]):
         raise
     except Exception as e:  # a line not "<token> <count>" (ValueError) or not UTF-8 (a bare Exception)
         raise UsageError(f"--dict {dict_path} is not a fairseq dict.txt: {e}") from None
-    trained_with = config_value(model_config(parts.metadata), "dictionary_size")
-    check_dictionary_size(dictionary.symbols, len(dictionary), trained_with, parts.path)
+    config = model_config(parts.metadata)
+    check_dictionary_size(dictionary.symbols, len(dictionary), config_value(config, "dictionary_size"), parts.path,
+                          config_value(config, "dictionary_checksum"), accept_other)
     return dictionary
 
 
-def export_vocabulary_size(parts: PartFiles, dict_path: Optional[str]) -> Optional[int]:
+def export_vocabulary_size(parts: PartFiles, dict_path: Optional[str], accept_other: bool = False) -> Optional[int]:
     """The vocabulary rows to export for ``--dict dict_path``: its symbols
     (fairseq's four special ones plus one per line); without ``--dict`` the
     size the checkpoint records (None, all rows, for checkpoints from before
@@ -84,7 +86,7 @@ def export_vocabulary_size(parts: PartFiles, dict_path: Optional[str]) -> Option
     Raises:
         UsageError / FileNotFoundError: as :func:`read_dictionary`.
     """
-    dictionary = read_dictionary(parts, dict_path)
+    dictionary = read_dictionary(parts, dict_path, accept_other)
     if dictionary is None:
         return config_value(model_config(parts.metadata), "dictionary_size")
     return len(dictionary)
@@ -108,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write one checkpoint for fairseq's own transformer_lm (no --user-dir needed)")
     parser.add_argument("--dict", help="with --to-fairseq or --to-hf: the data's dict.txt; the vocabulary is cut to "
                              "its size (default: the size of the dictionary the checkpoint was trained with)")
+    parser.add_argument("--accept-other-dictionary", action="store_true",
+                        help="with --dict: take a dict.txt whose symbols are not those the checkpoint was trained "
+                             "with, in number alike (a deliberate change); refused otherwise")
     parser.add_argument("--to-hf", action="store_true",
                         help="write --output as a directory for transformers' XGLMForCausalLM (safetensors, "
                              "config, generation config, model card; needs the [hf] extra)")
@@ -162,7 +167,7 @@ def main(argv=None) -> int:
             require_transformers()
             check_output_directory(args.output)
             parts = PartFiles(args.input)
-            dictionary = read_dictionary(parts, args.dict)
+            dictionary = read_dictionary(parts, args.dict, args.accept_other_dictionary)
             if args.max_shard_size is not None and not args.max_shard_size > 0:
                 raise UsageError(f"--max-shard-size {args.max_shard_size}: a size in GB above 0")
             shard_bytes = MAX_SHARD_BYTES if args.max_shard_size is None else int(args.max_shard_size * 1e9)
@@ -175,7 +180,7 @@ def main(argv=None) -> int:
             return 0
         if args.to_fairseq:
             parts = PartFiles(args.input)
-            vocab = export_vocabulary_size(parts, args.dict)
+            vocab = export_vocabulary_size(parts, args.dict, args.accept_other_dictionary)
             print(export_to_fairseq(args.input, args.output, vocab_size=vocab, verify=args.verify, parts=parts))
             return 0
         if args.model_parallel_size is None or args.model_parallel_size < 1:
@@ -190,9 +195,13 @@ def main(argv=None) -> int:
             written = reshard(args.input, args.output, args.model_parallel_size, verify=args.verify,
                               progress=lambda _: bar.update(), with_optimizer=args.keep_optimizer, parts=parts,
                               new_stages=args.pipeline_model_parallel_size)
+        written += _dictionary_beside(args.input, args.output)
     except (UsageError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: {args.output} not written (nothing of it was left)", file=sys.stderr)
+        return 130
     for path in written:
         print(path)
     if args.keep_optimizer:  # fairseq-train takes the padded vocabulary and the model's options from it
@@ -201,9 +210,39 @@ def main(argv=None) -> int:
     return 0
 
 
+def _dictionary_beside(checkpoint: str, output: str) -> list:
+    """The input's ``dict.txt`` copied beside the output (the tools and the
+    hub read it from the checkpoint's directory), where the output's
+    directory has none; ``[its path]``, or ``[]``. One there that differs is
+    left, with a line saying so.
+
+    Raises:
+        OSError: the copy failed (nothing is left of it).
+    """
+    import filecmp
+    import shutil
+
+    from fairseq_megatron.files import written_whole
+
+    source = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), "dict.txt")
+    target = os.path.join(os.path.dirname(os.path.abspath(output)), "dict.txt")
+    if not os.path.isfile(source) or os.path.abspath(source) == os.path.abspath(target):
+        return []
+    if os.path.exists(target):
+        if not filecmp.cmp(source, target, shallow=False):
+            print(f"{target} differs from {source}, the input's dictionary: left as it is", file=sys.stderr)
+        return []
+    with written_whole(target) as partial:
+        shutil.copyfile(source, partial)
+    return [target]
+
+
 def _import(args) -> int:
     """``--from-hf``: the checks of the flags, then :func:`~fairseq_megatron.checkpoint.hf_import.import_from_transformers`."""
     from fairseq_megatron.checkpoint.hf_import import Import
+    from fairseq_megatron.errors import check_directory_can_be_made
+    from fairseq_megatron.fairseq_integration.save_dir import one_writer
+    from fairseq_megatron.fairseq_integration.train import directories_missing, remove_while_empty
 
     others = [flag for flag, given in (("--to-fairseq", args.to_fairseq), ("--to-hf", args.to_hf),
                                        ("--keep-optimizer", args.keep_optimizer), ("--dict", args.dict is not None),
@@ -217,8 +256,16 @@ def _import(args) -> int:
                          f"pipeline stages is at least 1")
     source = Import(args.from_hf, args.model_parallel_size, args.pipeline_model_parallel_size, args.encoder_json,
                     args.vocab_bpe, args.dtype)
-    with tqdm(total=source.groups() * args.model_parallel_size, desc="importing", unit="layer", disable=None) as bar:
-        written = source.write(args.output, verify=args.verify, progress=bar.update)
+    directory = os.path.dirname(os.path.abspath(args.output))
+    check_directory_can_be_made(directory, f"--output {args.output}")
+    made = directories_missing(directory)
+    try:
+        with one_writer(directory, f"--output {args.output}"), tqdm(
+                total=source.groups() * args.model_parallel_size, desc="importing", unit="layer", disable=None) as bar:
+            written = source.write(args.output, verify=args.verify, progress=bar.update)
+    except BaseException:
+        remove_while_empty(made)  # nothing of the import stays, not even its directories
+        raise
     for path in written:
         print(path)
     return 0

@@ -109,3 +109,27 @@ def one_run_at_a_time(save_dir: str, master: bool, made: List[str]):
     finally:
         if fd is not None:
             os.close(fd)
+
+
+@contextlib.contextmanager
+def one_writer(directory: str, flag: str):
+    """Hold the lock of ``directory`` (made if missing), the lock a
+    fairseq-train run holds on its save dir, while the block runs: one
+    process in one process's tool (``flag``: how messages name the
+    directory) writes into it at a time.
+
+    Raises:
+        UsageError: another run or import holds the lock, or the directory
+            cannot be made or locked (the file system's reason).
+    """
+    try:
+        fd, refused = _take(directory)
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot write in {directory}: {e.strerror or e}") from None
+    if refused is not None:
+        raise UsageError(f"{flag}: {directory} is in use: another fairseq-train run or import holds its lock; one "
+                         f"writes a directory at a time: wait for it to end, or choose another directory")
+    try:
+        yield
+    finally:
+        os.close(fd)

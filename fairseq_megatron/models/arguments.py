@@ -82,6 +82,11 @@ MODEL_ARGUMENTS = (
              "madeupword symbols (default: its size rounded up to a multiple of 8 x the "
              "model-parallel size). Checkpoints record it, and fairseq-train takes it from the "
              "checkpoint it starts from")),
+    ("--accept-other-dictionary", dict(
+        action="store_true",
+        help="load a checkpoint with a dict.txt whose symbols are not the ones it was trained with, in number "
+             "alike (a deliberate change of the vocabulary); without it, fairseq-train and every tool refuse "
+             "such a dict.txt, whose tokens would be looked up in other tokens' rows")),
     ("--masked-vocab-rows", dict(
         metavar="ROWS",
         help="vocabulary rows whose logits are minus infinity in every pass (rows A to B and C: "

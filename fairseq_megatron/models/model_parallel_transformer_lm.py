@@ -21,6 +21,7 @@ from fairseq_megatron.models.masked_vocab_rows import parse_rows
 from fairseq_megatron.models.model_parallel_transformer_decoder import ModelParallelTransformerDecoder
 from fairseq_megatron.models.options import (
     check_dictionary_size,
+    dictionary_checksum,
     check_options,
     pad_dictionary,
 )
@@ -120,9 +121,14 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         # dictionary its model was trained with; a new model records its own.
         dictionary = task.source_dictionary
         trained_with = safe_getattr(args, "dictionary_size", None)
-        check_dictionary_size(dictionary.symbols, len(dictionary), trained_with, "the checkpoint's model")
+        check_dictionary_size(dictionary.symbols, len(dictionary), trained_with, "the checkpoint's model",
+                              safe_getattr(args, "dictionary_checksum", None),
+                              bool(safe_getattr(args, "accept_other_dictionary", False)))
         if trained_with is None:
             args.dictionary_size = len(dictionary)
+        if safe_getattr(args, "dictionary_checksum", None) is None or safe_getattr(args, "accept_other_dictionary",
+                                                                                   False):
+            args.dictionary_checksum = dictionary_checksum(dictionary.symbols[:args.dictionary_size])
         args.padded_vocab_size = pad_dictionary(dictionary, size, recorded)
         if pad_dictionary(task.target_dictionary, size, args.padded_vocab_size) != args.padded_vocab_size:
             raise ValueError("source and target dictionaries differ in size")

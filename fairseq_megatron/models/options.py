@@ -7,6 +7,7 @@ parallel sizes where the layout is built
 (:class:`fairseq_megatron.parallel.layout.ParallelLayout`).
 """
 
+import hashlib
 import os
 from typing import Optional, Sequence
 
@@ -37,7 +38,15 @@ def undivided_dimension(size: int, heads: Optional[int], ffn: Optional[int], pad
                 None)
 
 
-def check_dictionary_size(symbols: Sequence[str], size: int, trained_with: Optional[int], checkpoint: str) -> None:
+def dictionary_checksum(symbols: Sequence[str]) -> str:
+    """A checksum of a dictionary's ``symbols`` in order (fairseq's four
+    special symbols first; not the counts of ``dict.txt``): what a
+    checkpoint records as ``dictionary_checksum``."""
+    return hashlib.sha256("\n".join(symbols).encode("utf-8")).hexdigest()[:32]
+
+
+def check_dictionary_size(symbols: Sequence[str], size: int, trained_with: Optional[int], checkpoint: str,
+                          checksum: Optional[str] = None, accept_other: bool = False) -> None:
     """Refuse a dictionary other than the one a checkpoint's model was trained with.
 
     ``symbols`` is the dictionary's symbol list (fairseq's four special
@@ -46,7 +55,13 @@ def check_dictionary_size(symbols: Sequence[str], size: int, trained_with: Optio
     None for checkpoints from before the record, which are not checked),
     ``checkpoint`` how the message names it. The same dictionary has that
     many symbols, or more only by ``madeupwordNNNN`` padding symbols (a
-    dictionary saved after padding).
+    dictionary saved after padding); and where the checkpoint records the
+    :func:`dictionary_checksum` of its symbols (``checksum``), the same
+    symbols in the same order: a ``dict.txt`` of the same size in another
+    order, or another corpus's, trained and evaluated without a word (its
+    every token looked up in another token's row). ``accept_other``
+    (``--accept-other-dictionary``) lets a deliberately changed dictionary
+    of the same size through.
 
     Padding to a recorded vocabulary size (see :func:`pad_dictionary`) would
     take a shorter dictionary without a word, where fairseq's non-parallel
@@ -54,7 +69,7 @@ def check_dictionary_size(symbols: Sequence[str], size: int, trained_with: Optio
     looked up in rows learnt for other symbols.
 
     Raises:
-        UsageError: the sizes differ.
+        UsageError: the sizes differ, or the symbols.
     """
     if trained_with is None:
         return
@@ -62,6 +77,13 @@ def check_dictionary_size(symbols: Sequence[str], size: int, trained_with: Optio
         raise UsageError(
             f"the dictionary has {size} symbols but {checkpoint} was trained with {trained_with}: "
             f"wrong dict.txt for this checkpoint"
+        )
+    if checksum is not None and not accept_other and dictionary_checksum(symbols[:trained_with]) != checksum:
+        raise UsageError(
+            f"the dictionary has the {trained_with} symbols {checkpoint} was trained with in number, but not the "
+            f"same symbols in the same order: wrong dict.txt for this checkpoint (to change it deliberately: "
+            f"--accept-other-dictionary, or in the evaluation tools --model-overrides "
+            f"\"{{'accept_other_dictionary': True}}\")"
         )
 
 

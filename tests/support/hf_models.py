@@ -129,16 +129,17 @@ def opt(directory: str, encoder_json: str, vocab_bpe: str, seed: int = 2) -> Non
     model.save_pretrained(directory)
 
 
-def xglm(directory: str, encoder_json: str, vocab_bpe: str, seed: int = 3) -> None:
+def xglm(directory: str, encoder_json: str, vocab_bpe: str, seed: int = 3, extra_rows: int = 0) -> None:
     """An ``XGLMForCausalLM`` with a GPT-2 BPE tokenizer numbered as a fairseq
-    dictionary (fairseq's dense models as published)."""
+    dictionary (fairseq's dense models as published), with ``extra_rows``
+    embedding rows beyond its tokenizer's."""
     import transformers
 
     vocab = _fairseq_numbered(encoder_json, seed)
     _save_tokenizer(directory, vocab, vocab_bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                     unk_token="<unk>")
     config = transformers.XGLMConfig(num_layers=LAYERS, d_model=EMBED, ffn_dim=FFN["xglm"], attention_heads=HEADS,
-                                     max_position_embeddings=POSITIONS, vocab_size=len(vocab))
+                                     max_position_embeddings=POSITIONS, vocab_size=len(vocab) + extra_rows)
     torch.manual_seed(seed)
     model = transformers.XGLMForCausalLM(config)
     _spread(model, seed)

@@ -294,3 +294,56 @@ def test_a_table_of_positions_larger_than_memory_is_one_line_at_launch():
                                          r"would take 128\.0 GB \(1,000,000,000 rows of 32 fp32 values\), more than "
                                          r"this machine's"):
         check_positions(args)
+
+
+def test_a_dictionary_of_the_same_size_in_another_order_is_refused(tmp_path, capsys):
+    """A dict.txt of the trained size but other symbols, or the same in
+    another order, evaluated and trained without a word (perplexity 11,073
+    instead of 208.7). A checkpoint records a checksum of its symbols in
+    order: the model's build (fairseq-eval-lm, -generate, the hub, the
+    lm-eval backend), fairseq-train's load and the exports' --dict refuse
+    another, in one line; --accept-other-dictionary lets a deliberate change
+    through; a checkpoint without the record loads as before."""
+    from fairseq_megatron.checkpoint.loading import check_vocabulary
+    from fairseq_megatron.cli import reshard_checkpoint
+    from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
+    from fairseq_megatron.models.options import dictionary_checksum
+    from tests.helpers import LMTask, model_args
+    from tests.support.checkpoint_resharding import WORDS, save_checkpoint
+
+    trained = make_dictionary()
+    size = len(trained)
+    recorded = dictionary_checksum(trained.symbols[:size])
+    swapped = make_dictionary()
+    swapped.symbols[5], swapped.symbols[6] = swapped.symbols[6], swapped.symbols[5]
+    said = "symbols the checkpoint's model was trained with in number, but not the same symbols in the same order"
+
+    def build(dictionary, **more):
+        args = model_args(1, **{"dictionary_size": size, "dictionary_checksum": recorded, **more})
+        return ModelParallelTransformerLanguageModel.build_model(args, LMTask(dictionary))
+
+    assert build(make_dictionary()).decoder.args.dictionary_checksum == recorded
+    with pytest.raises(UsageError, match=re.escape(said)):
+        build(swapped)
+    assert build(swapped, accept_other_dictionary=True).decoder.args.dictionary_checksum != recorded
+    build(swapped, dictionary_checksum=None)  # saved before the record
+    with pytest.raises(UsageError, match="not the same symbols in the same order"):
+        check_vocabulary(swapped, size, 64, 64, size, "ckpt.pt", recorded)  # fairseq-train's load
+    check_vocabulary(swapped, size, 64, 64, size, "ckpt.pt", recorded, accept_other=True)
+
+    path = str(tmp_path / "src" / "model.pt")
+    os.makedirs(os.path.dirname(path))
+    save_checkpoint(path, 2)
+    words = make_dictionary(WORDS)
+    for part in (0, 1):
+        state = torch.load(path.replace(".pt", f"-model_part-{part}.pt"), weights_only=False)
+        state["cfg"]["model"].dictionary_checksum = dictionary_checksum(words.symbols)
+        torch.save(state, path.replace(".pt", f"-model_part-{part}.pt"))
+    words.symbols[4], words.symbols[5] = words.symbols[5], words.symbols[4]
+    words.save(str(tmp_path / "dict.txt"))
+    argv = ["--input", path, "--output", str(tmp_path / "plain" / "model.pt"), "--to-fairseq", "--dict",
+            str(tmp_path / "dict.txt")]
+    assert reshard_checkpoint.main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: the dictionary has the") and "not the same symbols in the same order" in err
+    assert reshard_checkpoint.main(argv + ["--accept-other-dictionary"]) == 0

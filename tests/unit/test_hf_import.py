@@ -248,3 +248,97 @@ def test_pytorch_model_bin_is_read_without_running_code(sources, tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert rc == 1 and len(err.splitlines()) == 1 and "pytorch_model.bin" in err, err
     assert not os.path.exists("ran") and not (tmp_path / "c").exists()
+
+
+def test_an_import_writes_a_new_checkpoint_alone_and_leaves_nothing_when_stopped(sources, tmp_path, capsys,
+                                                                                monkeypatch):
+    """An import over an existing checkpoint replaced it (a fine-tuned one
+    too) and two at once into one directory left two layouts; one stopped
+    by an error or Ctrl-C left its new directory behind."""
+    from fairseq_megatron.checkpoint import hf_import
+    from fairseq_megatron.fairseq_integration.save_dir import one_writer
+
+    def run(output, *argv):
+        rc = reshard_checkpoint.main(["--from-hf", sources["gpt2"], "--output", str(output),
+                                      "--model-parallel-size", "2", *argv])
+        return rc, capsys.readouterr().err.strip()
+
+    out = tmp_path / "first" / "model.pt"
+    assert run(out)[0] == 0
+    before = file_contents(tmp_path / "first")
+    rc, err = run(out)
+    assert rc == 1 and err == (f"error: {tmp_path / 'first' / 'model-model_part-0.pt'} exists: the import writes a "
+                               f"new checkpoint and replaces none; choose another --output, or remove the checkpoint "
+                               f"that is there")
+    assert file_contents(tmp_path / "first") == before
+    with one_writer(str(tmp_path / "busy"), "--save-dir busy"):  # a training, or another import, writing there
+        rc, err = run(tmp_path / "busy" / "model.pt")
+    assert rc == 1 and "is in use: another fairseq-train run or import holds its lock" in err
+    assert os.listdir(tmp_path / "busy") == []
+
+    def stopped(error):
+        def write(*args, **kwargs):
+            raise error
+        return write
+
+    from fairseq_megatron.checkpoint.part_files import write_error
+
+    for error, code, said in ((write_error(str(tmp_path / "x"), OSError(28, "No space left on device")), 1,
+                               "error: cannot write "),
+                              (KeyboardInterrupt(), 130, "interrupted: ")):
+        monkeypatch.setattr(hf_import, "save_verified", stopped(error))
+        rc, err = run(tmp_path / "new" / "deeper" / "model.pt")
+        assert rc == code and err.splitlines()[-1].startswith(said), err
+        assert not (tmp_path / "new").exists()  # the directories it made went with it
+
+
+def test_weights_that_are_not_floating_point_or_finite_and_a_foreign_tokenizer_are_refused(sources, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    def refused(directory, *argv):
+        rc = reshard_checkpoint.main(["--from-hf", str(directory), "--output", str(tmp_path / "out" / "model.pt"),
+                                      "--model-parallel-size", "1", *argv])
+        err = capsys.readouterr().err.strip()
+        assert rc == 1 and len(err.splitlines()) == 1 and not (tmp_path / "out").exists(), err
+        return err
+
+    for name, change, said in (("int", lambda t: t.to(torch.int32), "are int32, not floating point"),
+                               ("nan", lambda t: t.index_fill(0, torch.tensor([3]), float("nan")),
+                                "hold NaN or infinite values")):
+        edited = _copy(sources, "gpt2", tmp_path / name)
+        weights = load_file(os.path.join(edited, "model.safetensors"))
+        weights["transformer.wte.weight"] = change(weights["transformer.wte.weight"])
+        save_file(weights, os.path.join(edited, "model.safetensors"), metadata={"format": "pt"})
+        assert said in refused(edited)
+    foreign = _copy(sources, "gpt2", tmp_path / "foreign")
+    tokenizer = json.load(open(os.path.join(foreign, "tokenizer.json")))
+    tokenizer["model"]["vocab"] = {"a": 0}
+    tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if t["id"] < 1]
+    json.dump(tokenizer, open(os.path.join(foreign, "tokenizer.json"), "w"))
+    assert "eos_token_id = 300: the directory's tokenizer has 1 tokens and none of that id" in refused(foreign)
+    assert "is a file: give the directory" in refused(os.path.join(sources["gpt2"], "model.safetensors"))
+    assert refused(sources["opt"], "--encoder-json", "/no.json", "--vocab-bpe", sources["vocab_bpe"]) == \
+        "error: --encoder-json /no.json: no such file"
+
+
+def test_resharding_an_import_carries_its_dictionary_and_an_export_keeps_the_sources_rows(sources, tmp_path):
+    """The resharding tool writes dict.txt beside its output (the hub read
+    the output's directory and failed); --to-hf of an imported XGLM with
+    rows beyond its tokenizer keeps them, so the export computes the
+    source's log-probabilities (it dropped them: another softmax)."""
+    from fairseq_megatron.checkpoint.hf_export import export_to_transformers
+
+    source = str(tmp_path / "xglm")
+    hf_models.xglm(source, sources["encoder_json"], sources["vocab_bpe"], extra_rows=8)
+    ours = str(tmp_path / "ours" / "model.pt")
+    import_from_transformers(source, ours, 2, 1, sources["encoder_json"], sources["vocab_bpe"])
+    assert reshard_checkpoint.main(["--input", ours, "--output", str(tmp_path / "one" / "model.pt"),
+                                    "--model-parallel-size", "1"]) == 0
+    assert (tmp_path / "one" / "dict.txt").read_bytes() == (tmp_path / "ours" / "dict.txt").read_bytes()
+    dictionary = Dictionary.load(str(tmp_path / "one" / "dict.txt"))
+    export_to_transformers(str(tmp_path / "one" / "model.pt"), str(tmp_path / "export"), dictionary,
+                           sources["encoder_json"], sources["vocab_bpe"])
+    ids = torch.tensor([hf_models.source_ids(source, [" ".join(VARIED)])[0][:40]])
+    theirs, exported = (hf_models.source_log_probs(d, ids) for d in (source, str(tmp_path / "export")))
+    assert exported.shape == theirs.shape and theirs.size(-1) == len(dictionary) + 8  # 8 rows beyond the tokens
+    assert (exported - theirs).abs().max() <= TOLERANCE

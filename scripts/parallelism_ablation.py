@@ -599,8 +599,14 @@ def main(argv=None) -> int:
     if args.iterations <= UNTIMED:
         parser.error(f"--iterations {args.iterations}: the first {UNTIMED} are not timed; give at least {UNTIMED + 1}")
     for flag, path in (("--csv", args.csv), ("--png", args.png)):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            parser.error(f"{flag} {path}: no directory {os.path.dirname(os.path.abspath(path))}")
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if path and os.path.isdir(path):
+            example = os.path.join(path, "ablation." + flag[2:])
+            parser.error(f"{flag} {path}: a directory; give a file name in it, e.g. {example}")
+        if path and not os.path.isdir(folder):
+            parser.error(f"{flag} {path}: no directory {folder}")
+        if path and not os.access(folder, os.W_OK | os.X_OK):
+            parser.error(f"{flag} {path}: cannot write in {folder}")
     import torch
 
     if not args.cpu and torch.cuda.device_count() < RANKS:

@@ -97,3 +97,16 @@ def test_every_layout_says_what_it_splits_and_is_predicted():
     assert all(value > 0 for value in predicted.values())
     assert predicted["DP2"] < min(predicted["TP2"], predicted["SP2"], predicted["CP2"])
     assert predicted["DP2"] < predicted["baseline"]  # each of two copies computes half the batch
+
+
+@pytest.mark.parametrize("flag", ["--csv", "--png"])
+def test_an_output_that_is_a_directory_is_one_line_before_any_row(tmp_path, capsys, flag):
+    """An existing directory given as the output file is refused at launch
+    (before, --png met IsADirectoryError after every row had run)."""
+    with pytest.raises(SystemExit) as exit_:
+        ablation.main(["--cpu", "--quick", flag, str(tmp_path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"{flag} {tmp_path}: a directory; give a file name in it, e.g. "
+                        f"{tmp_path / ('ablation.' + flag[2:])}"), err
+    assert os.listdir(tmp_path) == []

@@ -30,6 +30,7 @@ Each applies to our architectures only.
 """
 
 import argparse
+import contextvars
 import logging
 import os
 
@@ -77,6 +78,13 @@ def main(cfg, **kwargs):
     data_parallel.check(cfg, layout.pipeline, layout.data, layout.context)
     check_training_precision(cfg.common, fp32_parameters=data_parallel.keeps_fp32_parameters)
     check_fp8_environment(cfg.model, cfg.common.cpu)
+    if cfg.checkpoint.no_save:  # reads --save-dir (to resume) and writes nothing: no lock, no probe, no directory
+        token = _WRITES_NOTHING.set(True)
+        try:
+            with sharding.checkpoint_may_fill_weights():
+                return run(cfg, **kwargs)
+        finally:
+            _WRITES_NOTHING.reset(token)
     check_writable(cfg.checkpoint.save_dir)
     # fairseq's main makes --save-dir on the master rank only
     master = distributed_utils.is_master(cfg.distributed_training)
@@ -88,6 +96,21 @@ def main(cfg, **kwargs):
     except BaseException:
         remove_while_empty(made)
         raise
+
+
+# Set while fairseq's main runs one of our models under --no-save (:func:`main`).
+_WRITES_NOTHING = contextvars.ContextVar("writes_nothing", default=False)
+
+
+def verify_checkpoint_directory(save_dir: str) -> None:
+    """fairseq-train's probe of ``--save-dir`` (``fairseq/checkpoint_utils.py``:
+    it makes the directory and writes and removes a file ``dummy`` in it),
+    skipped for a run of our models under ``--no-save``: fairseq probed it
+    then too, so a read-only ``--save-dir`` refused a run that writes nothing."""
+    if not _WRITES_NOTHING.get():
+        from fairseq import checkpoint_utils
+
+        checkpoint_utils.verify_checkpoint_directory(save_dir)
 
 
 def take_the_architecture_of_the_checkpoint(cfg, arch: str) -> None:
@@ -165,5 +188,12 @@ def install() -> None:
     replace_in_cli_module(_MODULE, "MegatronTrainer", build_trainer, why)
     replace_in_cli_module(_MODULE, "main", main, "our launch checked before --save-dir is written")
     replace_in_cli_module(_MODULE, "train", train, "a finished run of ours trains and saves nothing")
+    from fairseq import checkpoint_utils
+
+    from fairseq_megatron.fairseq_integration.patching import ModuleWith
+
+    replace_in_cli_module(_MODULE, "checkpoint_utils",
+                          ModuleWith(checkpoint_utils, verify_checkpoint_directory=verify_checkpoint_directory),
+                          "a run of ours under --no-save writes nothing into --save-dir, fairseq's probe included")
     replace_in_cli_module(_MODULE, "fsdp_wrap", fsdp_wrap,
                           "our models are sharded by torch's FSDP2 (MegatronTrainer), not fairscale's FSDP")

@@ -285,7 +285,7 @@ def test_one_fairseq_train_per_save_dir(trained, tmp_path):
 def test_a_read_only_save_dir_is_one_line(trained, tmp_path):
     """fairseq's probe of a read-only --save-dir logged "Unable to access
     checkpoint save directory" and raised with a traceback; now one line
-    before anything runs."""
+    before anything runs, and nothing at all under --no-save."""
     save_dir = tmp_path / "ckpt"
     save_dir.mkdir()
     args = train_args(trained["data"], str(save_dir), 1)
@@ -294,6 +294,10 @@ def test_a_read_only_save_dir_is_one_line(trained, tmp_path):
     assert rc == 1 and out.rstrip().splitlines()[-1] == (
         f"error: --save-dir {save_dir}: cannot write in {save_dir}: Read-only file system"), out[-3000:]
     assert "Traceback" not in out and "Unable to access" not in out
+    assert os.listdir(save_dir) == []
+    # under --no-save the run writes nothing there (fairseq's own probe refused it too): it trains
+    rc, out = fairseq("train", args + ["--no-save"], check=False, read_only=[save_dir])
+    assert rc == 0 and "done training" in out, out[-3000:]
     assert os.listdir(save_dir) == []
 
 

@@ -73,3 +73,16 @@ def test_bf16_autocast_training_pass_tracks_fp32():
     with torch.no_grad():
         assert torch.equal(mixed(tokens)[0], full(tokens)[0])
         assert mixed(tokens)[0].dtype == torch.float32
+
+
+def test_no_tensor_the_model_returns_is_a_view():
+    """FSDP2 registers its pre-backward hook on each tensor a sharded root
+    module returns, and warns (on every rank, every step) of one that is a
+    view: an in-place op on it would drop the hook. The first inner state,
+    the embedding's output turned to ``(T, B, C)``, was one."""
+    model, dictionary = build_model(1)
+    tokens, _ = make_batch(dictionary)
+    logits, extra = model(tokens)
+    returned = [logits, *extra["inner_states"]]
+    assert len(returned) == len(model.decoder.layers) + 2
+    assert [t._is_view() for t in returned] == [False] * len(returned)

@@ -78,32 +78,11 @@ class FairseqMegatronLM(TemplateLM):
 
         from fairseq_megatron import hub, model_copy
         from fairseq_megatron.checkpoint.hf_tokenizer import fairseq_gpt2_tokenizer
-        from fairseq_megatron.checkpoint.part_files import find_part_files
 
-        if unknown:
-            raise UsageError(f"unknown model argument {sorted(unknown)[0]}: {NAME} takes {', '.join(ARGUMENTS)}")
-        if path is None or encoder_json is None or vocab_bpe is None:
-            missing = [n for n, v in (("path", path), ("encoder_json", encoder_json), ("vocab_bpe", vocab_bpe)) if v is None]
-            raise UsageError(f"model argument {missing[0]}=... is needed (path: the checkpoint; encoder_json, "
-                             f"vocab_bpe: GPT-2's BPE files)")
-        if dtype not in DTYPES:
-            raise UsageError(f"model argument dtype={dtype}: one of {', '.join(DTYPES)}")
-        if _positive("context_parallel_size", context_parallel_size) > 1:
-            raise UsageError(f"model argument context_parallel_size={context_parallel_size}: evaluation runs at "
-                             f"context-parallel size 1 (use the ranks for tensor, pipeline or data parallelism)")
-        try:
-            self.batch_size = _positive("batch_size", int(batch_size))
-        except ValueError:
-            raise UsageError(f"--batch_size {batch_size}: a whole number of at least 1 ({NAME} sets no batch "
-                             f"size automatically)") from None
-        tensor = _positive("model_parallel_size", model_parallel_size)
-        stages = _positive("pipeline_model_parallel_size", pipeline_model_parallel_size)
-        find_part_files(path)  # FileNotFoundError naming the files looked for
-        data = data or os.path.dirname(os.path.abspath(path))
-        for name, file in (("encoder_json", encoder_json), ("vocab_bpe", vocab_bpe),
-                           ("data", os.path.join(data, "dict.txt"))):
-            if not os.path.isfile(file):
-                raise FileNotFoundError(f"model argument {name}: {file}: no such file")
+        tensor, stages, data = self.check_arguments(path, data, encoder_json, vocab_bpe, dtype,
+                                                    model_parallel_size, pipeline_model_parallel_size,
+                                                    context_parallel_size, batch_size, **unknown)
+        self.batch_size = int(batch_size)
         self.tokenizer = fairseq_gpt2_tokenizer(encoder_json, vocab_bpe, Dictionary.load(os.path.join(data, "dict.txt")))
         hub.init_distributed_from_env()
         parallel_state.initialize_model_parallel(tensor, stages)
@@ -115,6 +94,47 @@ class FairseqMegatronLM(TemplateLM):
             self._world_size = parallel_state.get_data_parallel_world_size()
             if self._rank == 0 and dist.get_rank() != 0:  # one writer of lm-eval's results: global rank 0
                 os.environ["LOCAL_RANK"] = str(dist.get_rank())
+
+    @staticmethod
+    def check_arguments(path: Optional[str] = None, data: Optional[str] = None, encoder_json: Optional[str] = None,
+                        vocab_bpe: Optional[str] = None, dtype: str = "float32", model_parallel_size: int = 1,
+                        pipeline_model_parallel_size: int = 1, context_parallel_size: int = 1, batch_size=1,
+                        max_batch_size=None, device: Optional[str] = None, max_length=None, **unknown):
+        """What the model arguments alone tell (the constructor's, and
+        ``fairseq-megatron-lm-eval``'s before lm-eval loads its tasks):
+        (tensor-parallel size, pipeline stages, the dictionary's directory).
+
+        Raises:
+            UsageError / FileNotFoundError: as the constructor.
+        """
+        from fairseq_megatron.checkpoint.part_files import find_part_files
+
+        if unknown:
+            raise UsageError(f"unknown model argument {sorted(unknown)[0]}: {NAME} takes {', '.join(ARGUMENTS)}")
+        if path is None or encoder_json is None or vocab_bpe is None:
+            missing = [n for n, v in (("path", path), ("encoder_json", encoder_json), ("vocab_bpe", vocab_bpe))
+                       if v is None]
+            raise UsageError(f"model argument {missing[0]}=... is needed (path: the checkpoint; encoder_json, "
+                             f"vocab_bpe: GPT-2's BPE files)")
+        if dtype not in DTYPES:
+            raise UsageError(f"model argument dtype={dtype}: one of {', '.join(DTYPES)}")
+        if _positive("context_parallel_size", context_parallel_size) > 1:
+            raise UsageError(f"model argument context_parallel_size={context_parallel_size}: evaluation runs at "
+                             f"context-parallel size 1 (use the ranks for tensor, pipeline or data parallelism)")
+        try:
+            _positive("batch_size", int(batch_size))
+        except ValueError:
+            raise UsageError(f"--batch_size {batch_size}: a whole number of at least 1 ({NAME} sets no batch "
+                             f"size automatically)") from None
+        tensor = _positive("model_parallel_size", model_parallel_size)
+        stages = _positive("pipeline_model_parallel_size", pipeline_model_parallel_size)
+        find_part_files(path)  # FileNotFoundError naming the files looked for
+        data = data or os.path.dirname(os.path.abspath(path))
+        for name, file in (("encoder_json", encoder_json), ("vocab_bpe", vocab_bpe),
+                           ("data", os.path.join(data, "dict.txt"))):
+            if not os.path.isfile(file):
+                raise FileNotFoundError(f"model argument {name}: {file}: no such file")
+        return tensor, stages, data
 
     # ------------------------------------------------------------ data parallelism
 

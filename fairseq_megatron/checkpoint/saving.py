@@ -177,13 +177,13 @@ def save_checkpoint_of_model_parts(cfg, trainer, epoch_itr, val_loss, best_holde
     ranks that write."""
     from fairseq import meters
 
-    if trainer.data_parallel_rank == 0:
-        os.makedirs(cfg.save_dir, exist_ok=True)
     prev_best = getattr(best_holder, "best", val_loss)
     if val_loss is not None:
         best_holder.best = (max if cfg.maximize_best_checkpoint_metric else min)(val_loss, prev_best)
     if cfg.no_save:
         return None
+    if trainer.data_parallel_rank == 0:
+        os.makedirs(cfg.save_dir, exist_ok=True)
     trainer.consolidate_optimizer()
     if not trainer.should_save_checkpoint_on_current_rank:
         if trainer.always_call_state_dict_during_save_checkpoint:

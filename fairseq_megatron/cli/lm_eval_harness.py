@@ -24,7 +24,7 @@ import sys
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        from lm_eval.__main__ import cli_evaluate
+        import lm_eval.__main__  # noqa: F401  (the harness and its command line)
     except ImportError as e:
         print(f"error: fairseq-megatron-lm-eval needs lm-evaluation-harness ({e.name} is missing): "
               f"pip install 'fairseq_megatron[eval]'", file=sys.stderr)
@@ -45,7 +45,18 @@ def main(argv=None) -> int:
         argv = ["--model", NAME] + argv
     sys.argv = ["fairseq-megatron-lm-eval"] + command + argv
     try:
-        cli_evaluate()
+        # lm-eval's cli_evaluate, with the model arguments checked before lm-eval indexes its tasks (seconds)
+        from lm_eval._cli.harness import HarnessCLI
+        from lm_eval.utils import setup_logging
+
+        from fairseq_megatron.lm_eval_harness import FairseqMegatronLM
+
+        setup_logging()
+        parser = HarnessCLI()
+        args = parser.parse_args()
+        if command == ["run"] and getattr(args, "model", None) == NAME:
+            FairseqMegatronLM.check_arguments(**(args.model_args or {}), batch_size=getattr(args, "batch_size", 1))
+        parser.execute(args)
     except (ValueError, FileNotFoundError) as e:  # ours (UsageError, CheckpointError), and lm-eval's bad input
         if os.environ.get("FAIRSEQ_MEGATRON_TRACEBACK") == "1":
             raise

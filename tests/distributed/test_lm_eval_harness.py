@@ -1,8 +1,8 @@
 """The lm-evaluation-harness backend at every layout: one fixed list of
 requests (log-likelihoods with contexts cut from the left, empty contexts,
-rolling windows, greedy generation) answered the same at size 1, T2, P2
-(a checkpoint in T2 x P2 files, stages passing activations),
-T2 x P2 and D2, with batches of 1 and 8. Each rank reports its
+rolling windows, greedy generation) answered at P2 (a checkpoint in
+T2 x P2 files, stages passing activations), T2 x P2 and D2, with batches of
+1 and 8, as at size 1 in this process with batches of 1. Each rank reports its
 data-parallel rank and world size (the backend's) and what it held.
 
 Tolerance: 1e-4 relative on log-likelihoods, the "identical to 4 decimals"
@@ -23,7 +23,9 @@ import lm_eval  # noqa: E402,F401  (the [test] extra installs it: these tests fa
 
 pytestmark = pytest.mark.slow  # seconds each (models built, processes started): left out of make test-fast
 
-LAYOUTS = [(1, 1, 1, "size1"), (2, 1, 1, "size1"), (1, 2, 1, "t2p2"), (2, 2, 1, "t2p2"), (1, 1, 2, "size1")]
+# P2 (from T2 x P2 files: resharded in memory), T2 x P2 and D2; size 1 with batches of 8 and T2 alone are
+# the same paths as these with fewer ranks (the reference is size 1 with batches of 1)
+LAYOUTS = [(1, 2, 1, "t2p2"), (2, 2, 1, "t2p2"), (1, 1, 2, "size1")]
 
 
 def _worker(rank, world_size, tensor, stages, model, checkpoint):

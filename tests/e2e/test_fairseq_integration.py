@@ -72,7 +72,12 @@ def _stock_outcomes(work: str, test: str, runs: int) -> set:
     return outcomes
 
 
-def test_the_import_changes_at_most_20_fairseq_attributes_and_no_modules_torch():
+# A guard against patching creep: each replacement is one fairseq behaviour no extension point reaches
+# (docs/fairseq-changes.md); raise the bound only with a new row there.
+MOST_REPLACEMENTS = 21
+
+
+def test_the_import_changes_few_fairseq_attributes_and_no_modules_torch():
     proc = subprocess.run([sys.executable, "-c", _SNAPSHOT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, env=ENV, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -80,7 +85,7 @@ def test_the_import_changes_at_most_20_fairseq_attributes_and_no_modules_torch()
     listed = found["changed"] + found["added"]
     print("\n".join(listed))
     assert found["torch"] == []
-    assert 0 < len(listed) <= 20, listed
+    assert 0 < len(listed) <= MOST_REPLACEMENTS, listed
     # and they are exactly the replacements the package records, nothing else
     recorded = sorted(f"{r.owner}:{r.name}" for r in patching.REPLACEMENTS)
     assert sorted(listed) == recorded

@@ -1,10 +1,11 @@
 """The lm-evaluation-harness backend as users run it, on local tasks
 (``--include_path``, JSON lines; nothing downloaded):
 
-- ``fairseq-megatron-lm-eval`` under torchrun at 4 ranks (model-parallel
-  size 2 x 2 model copies, lm-eval splitting the documents over the copies)
-  gives the scores of the backend in one process, and one process writes
-  the results, in lm-eval's layout;
+- ``fairseq-megatron-lm-eval`` under torchrun at 2 ranks (2 model copies,
+  lm-eval splitting the documents over them; the model-parallel layouts are
+  tests/distributed/test_lm_eval_harness.py's) gives the scores of the
+  backend in one process, and one process writes the results, in lm-eval's
+  layout;
 - every request of a multiple-choice and a rolling-perplexity task gets the
   log-likelihood lm-eval's ``hf`` backend gives the ``--to-hf`` export of the
   same checkpoint (``add_bos_token=False``: the export's tokenizer would put
@@ -53,7 +54,7 @@ def test_the_command_under_torchrun_scores_as_one_process(tmp_path, monkeypatch)
     out = tmp_path / "results"
     _, log = fairseq("fairseq_megatron.cli.lm_eval_harness", [
         "--tasks", ",".join(TASKS), "--include_path", tasks, "--batch_size", "4", "--output_path", str(out),
-        "--model_args", args + ",model_parallel_size=2"], nproc=4)
+        "--model_args", args], nproc=2)
     written = glob.glob(str(out / "*" / "results_*.json"))
     assert len(written) == 1 and log.count("|local_mc") == 1, (written, log[-3000:])  # one writer, one table
     results = json.load(open(written[0]))["results"]

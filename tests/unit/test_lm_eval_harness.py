@@ -102,9 +102,9 @@ def test_rolling_word_perplexity_is_eval_lms_over_the_same_tokens(model, lm, tmp
 
 
 def test_bad_input_is_one_line(model, capsys, tmp_path):
-    """The command's one line for our refusals and lm-eval's (two runs, which
-    load lm-eval's tasks first); every model argument's refusal, by the
-    constructor lm-eval calls."""
+    """The command's one line for our refusals, before lm-eval loads its
+    tasks, and lm-eval's (one run, which loads them); every model argument's
+    refusal, by the constructor lm-eval calls."""
     from fairseq_megatron.cli import lm_eval_harness
     from fairseq_megatron.lm_eval_harness import FairseqMegatronLM
 
@@ -120,7 +120,10 @@ def test_bad_input_is_one_line(model, capsys, tmp_path):
 
     assert "unknown model argument pretrained" in refused(
         "--tasks", "local_mc", "--model_args", f"pretrained=x,path={model['size1']}")
-    assert "Tasks not found: no_such_task" in refused("--tasks", "no_such_task", "--model_args", "path=x")
+    # the model's arguments are checked before lm-eval indexes its tasks (seconds); then lm-eval's own refusal
+    assert "model argument encoder_json=... is needed" in refused("--tasks", "no_such_task", "--model_args", "path=x")
+    valid = f"path={model['size1']},encoder_json={model['encoder_json']},vocab_bpe={model['vocab_bpe']}"
+    assert "Tasks not found: no_such_task" in refused("--tasks", "no_such_task", "--model_args", valid)
     assert "--model hf" in refused("--model", "hf", "--tasks", "local_mc")
     for args, said in (
             (dict(path="/nowhere/model.pt", **files), "/nowhere/model.pt"),

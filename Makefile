@@ -29,9 +29,10 @@ demo: install
 # command imports torch and fairseq afresh), so two overlap well on 2 cores;
 # a third finds both cores busy. A fixed count, not -n auto: each worker's
 # tests start up to 4 processes of their own. Work stealing, with the
-# longest tests collected first (tests/conftest.py), ends both together.
+# longest tests collected first (tests/conftest.py), ends both together. The
+# 25 longest and the reasons of the skipped are listed at the end.
 test: install
-	$(PY) -m pytest -q -n 2 --dist worksteal
+	$(PY) -m pytest -q -rs -n 2 --dist worksteal --durations=25
 
 # The in-process and quick distributed tests: about half a minute.
 test-fast: install

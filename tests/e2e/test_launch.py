@@ -79,9 +79,10 @@ def test_fairseq_spawning_its_processes(trained, tmp_path):
     assert sorted(os.listdir(tmp_path / "spawned")) == [
         "checkpoint_last-model_part-0.pt", "checkpoint_last-model_part-1.pt", "checkpoint_last.pt.manifest.json"]
     # fairseq-eval-lm (docs/evaluation.md's command for the published model spawns 8), here with two
-    # data-parallel groups: the plugin's tally over the groups must reach the spawned processes too
+    # data-parallel groups (the 2 parts read at size 1 by each): the plugin's tally over the groups must
+    # reach the spawned processes too
     path = str(tmp_path / "spawned" / "checkpoint_last.pt")
-    _, spawned = fairseq("eval_lm", eval_args(trained["data"], path, 2) + launch(world_size=4))
+    _, spawned = fairseq("eval_lm", eval_args(trained["data"], path, 1) + launch(world_size=2))
     _, torchrun = fairseq("eval_lm", eval_args(trained["data"], path, 2), nproc=2)
     assert spawned.count("Loss (base 2)") == 1, spawned[-3000:]
     assert f"2 data-parallel groups scored {evaluated_tokens(torchrun):,} tokens together" in spawned, spawned[-3000:]

@@ -24,10 +24,15 @@ sys.path.insert(0, ROOT)
 from tests.support import loss_baseline  # noqa: E402
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("layouts", nargs="*", metavar="LAYOUT", help=f"of {', '.join(loss_baseline.LAYOUTS)} (default: all)")
     p.add_argument("--write", action="store_true", help="write the files instead of comparing with them")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     unknown = [name for name in args.layouts if name not in loss_baseline.LAYOUTS]
     if unknown:

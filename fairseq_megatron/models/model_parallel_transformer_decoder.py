@@ -174,9 +174,7 @@ class ModelParallelTransformerDecoder(KeepsParameterAttributes, TransformerDecod
         padding_mask = None
         if has_padding(prev_output_tokens, self.padding_idx):  # read on the host when fairseq-train marked it
             padding_mask = prev_output_tokens.eq(self.padding_idx)
-        # a copy, not a view: the first inner state the model returns, and FSDP2 warns of a root module's view
-        # outputs (an in-place op on one would drop its pre-backward hook); the layer norm that reads it copies anyway
-        x = x.transpose(0, 1).contiguous()
+        x = x.transpose(0, 1).contiguous()  # returned as the first inner state: FSDP2 warns of a view there
         if split is not None:
             x = split.keep(x, 0)
             padding_mask = None if padding_mask is None else split.in_key_order(padding_mask, 1)

@@ -331,6 +331,33 @@ def test_fully_sharded_gathers_across_nodes_only_where_nothing_else_comes_close(
             assert reason.endswith("--ddp-backend fully_sharded)"), reason
 
 
+def test_pipeline_transfers_include_the_tied_embedding_gradient_all_reduce():
+    """With pipeline stages, each micro-batch's activations and their gradient
+    cross between stages, and once per step the tied embedding's gradient
+    (vocabulary x hidden, fp16) is all-reduced between the first and the last
+    stage (the pipeline schedule's _sum_embedding_grads). Here two stages
+    in two nodes of A100s: NCCL's base latency (8.4 us) and one network
+    step (9.6 us) per transfer, two steps for the all-reduce of two ranks,
+    at 78% of the adapter's 25 GB/s (hardware.py's published figures)."""
+    from fairseq_megatron.planner.hardware import GPUS, Cluster
+    from fairseq_megatron.planner.memory import Training
+    from fairseq_megatron.planner.step_time import step_time
+
+    shape = ModelShape(4, 1024, 16, 4096, 32000, 512)
+    training = Training(1, "fp16")
+    net = 25e9 * 235 / 300  # bytes per second through one GPU's adapter
+    activation = 512 * 1024 * 2  # s x b x h fp16 values
+    embedding = 32000 * 1024 * 2
+    time = step_time(shape, 1, 2, 1, 4, training, Cluster(2, 1, GPUS["a100-80gb"]), 10 ** 6)
+    transfers = 4 * 2 * (8.4e-6 + 9.6e-6 + activation / net)  # 4 micro-batches: activations in, gradients back
+    reduction = 8.4e-6 + 2 * 9.6e-6 + 2 * (1 / 2) * embedding / net  # a ring of two ranks: half each way, twice
+    assert time.costs["pipeline_transfers"] == pytest.approx(transfers + reduction, rel=1e-9)
+    assert time.network_bytes == pytest.approx(4 * 2 * activation + embedding)
+    # one stage: no copy of the embedding, nothing sent between stages
+    assert step_time(shape, 1, 1, 2, 4, training, Cluster(2, 1, GPUS["a100-80gb"]), 10 ** 6).costs[
+        "pipeline_transfers"] == 0
+
+
 # Narayanan et al. 2021, Table 1 (weak scaling on Selene: A100 80GB, 8 per node, vocabulary 51200,
 # sequence 2048, learned positions): (billions of parameters, heads, hidden, layers, tensor-parallel size,
 # pipeline-parallel size, GPUs, batch size, achieved teraFLOP/s per GPU).

@@ -55,7 +55,12 @@ and a cycle of the costs above (the **pipeline bubble** is the
 Element-wise bytes of one layer's forward, per GPU, for activations of
 ``e`` bytes and 1-byte dropout masks: two layer norms (read, write), two
 dropouts (read, write, mask) and two residual adds (read two, write one):
-``(14e + 2) * s*b*h`` (``/ T`` with sequence parallelism); GeLU:
+``(14e + 2) * s*b*h`` (``/ T`` with sequence parallelism); with the
+dropout and the residual add fused (``Training.fused_elementwise``:
+torch.compile's kernels under ``--compile-layers``, as the Megatron-LM
+paper's bias + dropout + add kernel, Narayanan et al. 2021, section 4.2),
+each pair reads its two inputs and writes the sum and the mask:
+``(10e + 2) * s*b*h``; GeLU:
 ``2e * s*b*f / T``; attention: with flash attention its inputs and output,
 ``4e * s*b*h / T``, without it the ``a*s^2*b / T`` scores written, soft-maxed,
 dropped out and read again: ``(6e + 1)`` bytes each; all ``/ C``. The
@@ -109,7 +114,7 @@ def elementwise_bytes_per_layer(m: ModelShape, micro_batch: int, tp: int, cp: in
     """Bytes the element-wise kernels of one layer's forward move on one GPU (this module's docstring)."""
     e, s, b = training.activation_bytes, m.seq_len, micro_batch
     sbh = s * b * m.hidden / cp
-    replicated = (14 * e + 2) * sbh / (tp if training.sequence_parallel else 1)
+    replicated = ((10 if training.fused_elementwise else 14) * e + 2) * sbh / (tp if training.sequence_parallel else 1)
     gelu = 2 * e * sbh * m.ffn / m.hidden / tp
     if training.flash_attention:
         attention = 4 * e * sbh / tp

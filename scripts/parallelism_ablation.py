@@ -33,7 +33,11 @@ reports per row:
   rates: one process's matrix-product FLOP/s and memory-copy bandwidth,
   measured here before the rows, and the bandwidth of the rows' gloo
   all-reduces, measured by their ranks after training; printed beside the
-  measured times with both orderings.
+  measured times with both orderings, and with how many of the pairs of
+  rows predicted at least 10% apart were measured in the predicted order
+  (closer predictions are within the spread of one row's runs on a shared
+  CPU). ``--rounds N`` runs every row N times in turn and keeps each row's
+  fastest round, the one least slowed by other work on the machine.
 
 ``--csv PATH`` writes one line per row, ``--png PATH`` plots each layout's
 time per iteration (measured and predicted), the model state (parameters,
@@ -479,12 +483,36 @@ def add_predictions(lines: List[dict], shape: Shape, cpu: bool) -> None:
             line["predicted_ms"] = predicted_ms(layout(line["layout"]), shape, hardware, cpu)
 
 
+APART = 0.10  # predicted times closer than this are within the spread of one row's runs on a shared CPU
+
+
 def orderings(lines: List[dict]) -> str:
-    """The rows from fastest to slowest, measured and predicted."""
+    """The rows from fastest to slowest, measured and predicted, and how
+    many of the pairs predicted at least :data:`APART` apart were measured
+    in the predicted order (:func:`ordered_pairs`)."""
     ran = [line for line in lines if line["status"] == "ok" and line.get("predicted_ms")]
     measured = [line["layout"] for line in sorted(ran, key=lambda line: line["iteration_ms"])]
     predicted = [line["layout"] for line in sorted(ran, key=lambda line: line["predicted_ms"])]
-    return f"fastest first, measured:  {' < '.join(measured)}\nfastest first, predicted: {' < '.join(predicted)}"
+    agree, pairs = ordered_pairs(ran)
+    return (f"fastest first, measured:  {' < '.join(measured)}\nfastest first, predicted: {' < '.join(predicted)}\n"
+            f"pairs of rows predicted at least {APART:.0%} apart: {agree} of {len(pairs)} measured in that order"
+            + "".join(f"\n  {a} < {b} predicted ({pa:.0f} < {pb:.0f} ms), measured {ma:.0f} {'<' if ma < mb else '>='} "
+                      f"{mb:.0f} ms" for a, b, pa, pb, ma, mb in pairs))
+
+
+def ordered_pairs(lines: List[dict]):
+    """Of ``lines`` (rows with ``iteration_ms`` and ``predicted_ms``), the
+    pairs whose predicted times differ by at least :data:`APART` of the
+    faster, as ``(faster, slower, predicted ms of each, measured ms of
+    each)``, and how many of them were measured faster first."""
+    pairs = []
+    for i, a in enumerate(lines):
+        for b in lines[i + 1:]:
+            fast, slow = sorted((a, b), key=lambda line: line["predicted_ms"])
+            if slow["predicted_ms"] >= (1 + APART) * fast["predicted_ms"]:
+                pairs.append((fast["layout"], slow["layout"], fast["predicted_ms"], slow["predicted_ms"],
+                              fast["iteration_ms"], slow["iteration_ms"]))
+    return sum(1 for pair in pairs if pair[4] < pair[5]), pairs
 
 
 # ----------------------------------------------------------------- output
@@ -587,6 +615,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the layouts to run, of {', '.join(LAYOUTS)} (default: all, in that order)")
     p.add_argument("--iterations", type=int, default=6,
                    help=f"updates per row; the first {UNTIMED} are not timed (default: 6)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every row this many times in turn and keep each row's fastest round (default: 1): "
+                        "on a shared machine, the round least slowed by other work")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--csv", metavar="PATH", help="write one line per row to this CSV file")
     p.add_argument("--png", metavar="PATH", help="plot the rows into this PNG file")
@@ -596,6 +627,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give at least 1")
     if args.iterations <= UNTIMED:
         parser.error(f"--iterations {args.iterations}: the first {UNTIMED} are not timed; give at least {UNTIMED + 1}")
     for flag, path in (("--csv", args.csv), ("--png", args.png)):
@@ -611,12 +644,21 @@ def main(argv=None) -> int:
           f"{shape.batch} x {shape.seq_len} tokens per iteration, {args.iterations} iterations, "
           f"{'fp32 on CPU' if args.cpu else 'bf16 autocast'}; {_device(args.cpu)}, "
           f"{datetime.date.today().isoformat()}", flush=True)
+    load = os.getloadavg()[0]
     lines = []
-    for name in args.rows:
-        lines.append(run_layout(layout(name), shape, args.cpu, args.iterations, args.seed))
-        print(format_table(lines[-1:]).splitlines()[-1], flush=True)
+    for round_ in range(args.rounds):
+        for i, name in enumerate(args.rows):
+            line = run_layout(layout(name), shape, args.cpu, args.iterations, args.seed)
+            print(format_table([line]).splitlines()[-1], flush=True)
+            if round_ == 0:
+                lines.append(line)
+            elif line["status"] == "ok" and lines[i]["status"] == "ok" and \
+                    line["iteration_ms"] < lines[i]["iteration_ms"]:  # the round least disturbed by other load
+                lines[i] = line
     add_predictions(lines, shape, args.cpu)
     print()
+    print(f"load average (1 minute) at the start {load:.1f}, at the end {os.getloadavg()[0]:.1f}"
+          + (f"; each row's fastest of {args.rounds} rounds" if args.rounds > 1 else ""))
     print(format_table(lines))
     print(orderings(lines))
     if args.csv:

@@ -20,6 +20,10 @@ reports per row:
 - ``iteration_ms``: the median time of one update (the first two are not
   timed, nor is their memory counted: the pipeline schedule runs a forward
   to infer its shapes, allocators warm up);
+- ``cpu_ms``: the most CPU time a rank's process spent on one update (the
+  median over the timed updates; its threads together): the work, without
+  the waits, which on a machine loaded by other programs moves less than
+  the time;
 - ``loss``: fairseq's training loss (base 2) of the last iteration;
 - per rank, in MiB: the parameters, gradients and optimizer state it holds
   (counted from its tensors), the most activation bytes autograd kept at
@@ -86,7 +90,7 @@ SPLITS = {  # what each layout splits over its ranks
 ANSWERS = "docs/benchmarks.md#parallelism-ablation"  # where is the split? why is memory uneven?
 RANKS = 2  # the most ranks a row uses: the CSV has their columns
 PARTS = ("parameters", "gradients", "optimizer", "activations")
-CSV_FIELDS = (["layout", "iteration_ms", "predicted_ms", "peak_memory_mib", "loss", "world_size", "device"]
+CSV_FIELDS = (["layout", "iteration_ms", "cpu_ms", "predicted_ms", "peak_memory_mib", "loss", "world_size", "device"]
               + [f"rank{r}_{part}_mib" for r in range(RANKS) for part in PARTS + ("peak",)] + ["status"])
 UNTIMED = 2  # iterations before timing starts
 PAD, SPECIALS = 1, 4  # fairseq's padding index and number of special symbols
@@ -291,19 +295,20 @@ def _measure(rank, row, shape, cpu, iterations, seed, init_file) -> dict:
     trainer = build_trainer(cfg, task, task.build_model(cfg.model), task.build_criterion(cfg.criterion))
     model = trainer.get_model()
     data_rank = parallel_state.get_data_parallel_rank()
-    times, activations, loss = [], 0, None
+    times, cpu_times, activations, loss = [], [], 0, None
     for iteration in range(iterations):
         samples = rank_samples(global_batch(iteration, shape, seed), row, shape, data_rank)
         _wait_for_all(cpu, row)
         if iteration == UNTIMED and not cpu:
             torch.cuda.reset_peak_memory_stats()  # measured, as the times, after the warm-up
         saved = memory.SavedActivations(model)  # after the trainer moved the model to its device
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         with saved:
             logged = trainer.train_step(samples)
         _wait_for_all(cpu, row)
         if iteration >= UNTIMED:  # the first update of a pipeline also runs a forward to infer shapes
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
             activations = max(activations, saved.peak)
         loss = float(logged["loss"])
     parts = {
@@ -318,7 +323,7 @@ def _measure(rank, row, shape, cpu, iterations, seed, init_file) -> dict:
               "context": parallel_state.get_context_parallel_world_size(),
               "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
               "data": parallel_state.get_data_parallel_world_size()}
-    result = {"times": times, "loss": loss, "peak": peak, "ran_at": ran_at, **parts}
+    result = {"times": times, "cpu_times": cpu_times, "loss": loss, "peak": peak, "ran_at": ran_at, **parts}
     if dist.is_initialized():
         result["all_reduce"] = _all_reduce_seconds(cpu)
         dist.barrier()
@@ -390,6 +395,7 @@ def run_layout(row: Layout, shape: Shape, cpu: bool, iterations: int, seed: int)
     if "all_reduce" in ranks[0]:
         line["all_reduce_seconds"] = ranks[0]["all_reduce"]
     line.update(iteration_ms=round(statistics.median(ranks[0]["times"]) * 1e3, 1), loss=round(ranks[0]["loss"], 4),
+                cpu_ms=round(max(statistics.median(r["cpu_times"]) for r in ranks) * 1e3, 1),
                 peak_memory_mib=_mib(max(r["peak"] for r in ranks)))
     for r, result in enumerate(ranks):
         for part in PARTS + ("peak",):
@@ -520,7 +526,7 @@ def ordered_pairs(lines: List[dict]):
 
 def format_table(lines: List[dict]) -> str:
     """The rows as a text table (failed rows with their status)."""
-    out = [f"{'layout':<9}{'ranks':>6}{'iteration ms':>14}{'predicted':>11}{'peak MiB':>10}{'loss':>8}   "
+    out = [f"{'layout':<9}{'ranks':>6}{'iteration ms':>14}{'CPU ms':>9}{'predicted':>11}{'peak MiB':>10}{'loss':>8}   "
            f"per rank MiB: parameters / gradients / optimizer / activations"]
     for line in lines:
         if line["status"] != "ok":
@@ -529,7 +535,8 @@ def format_table(lines: List[dict]) -> str:
         ranks = "   ".join(" / ".join(f"{line[f'rank{r}_{part}_mib']:g}" for part in PARTS)
                            for r in range(line["world_size"]))
         predicted = f"{line['predicted_ms']:.1f}" if line.get("predicted_ms") else "-"
-        out.append(f"{line['layout']:<9}{line['world_size']:>6}{line['iteration_ms']:>14.1f}{predicted:>11}"
+        cpu = f"{line['cpu_ms']:.1f}" if line.get("cpu_ms") else "-"
+        out.append(f"{line['layout']:<9}{line['world_size']:>6}{line['iteration_ms']:>14.1f}{cpu:>9}{predicted:>11}"
                    f"{line['peak_memory_mib']:>10.1f}{line['loss']:>8.3f}   {ranks}")
     return "\n".join(out)
 

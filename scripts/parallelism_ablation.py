@@ -20,6 +20,10 @@ reports per row:
 - ``iteration_ms``: the median time of one update (the first two are not
   timed, nor is their memory counted: the pipeline schedule runs a forward
   to infer its shapes, allocators warm up);
+- ``cpu_ms``: the most CPU time a rank's process spent on one update (the
+  median over the timed updates; its threads together): the work, without
+  the waits, which on a machine loaded by other programs moves less than
+  the time;
 - ``loss``: fairseq's training loss (base 2) of the last iteration;
 - per rank, in MiB: the parameters, gradients and optimizer state it holds
   (counted from its tensors), the most activation bytes autograd kept at
@@ -33,7 +37,11 @@ reports per row:
   rates: one process's matrix-product FLOP/s and memory-copy bandwidth,
   measured here before the rows, and the bandwidth of the rows' gloo
   all-reduces, measured by their ranks after training; printed beside the
-  measured times with both orderings.
+  measured times with both orderings, and with how many of the pairs of
+  rows predicted at least 10% apart were measured in the predicted order
+  (closer predictions are within the spread of one row's runs on a shared
+  CPU). ``--rounds N`` runs every row N times in turn and keeps each row's
+  fastest round, the one least slowed by other work on the machine.
 
 ``--csv PATH`` writes one line per row, ``--png PATH`` plots each layout's
 time per iteration (measured and predicted), the model state (parameters,
@@ -82,7 +90,7 @@ SPLITS = {  # what each layout splits over its ranks
 ANSWERS = "docs/benchmarks.md#parallelism-ablation"  # where is the split? why is memory uneven?
 RANKS = 2  # the most ranks a row uses: the CSV has their columns
 PARTS = ("parameters", "gradients", "optimizer", "activations")
-CSV_FIELDS = (["layout", "iteration_ms", "predicted_ms", "peak_memory_mib", "loss", "world_size", "device"]
+CSV_FIELDS = (["layout", "iteration_ms", "cpu_ms", "predicted_ms", "peak_memory_mib", "loss", "world_size", "device"]
               + [f"rank{r}_{part}_mib" for r in range(RANKS) for part in PARTS + ("peak",)] + ["status"])
 UNTIMED = 2  # iterations before timing starts
 PAD, SPECIALS = 1, 4  # fairseq's padding index and number of special symbols
@@ -287,19 +295,20 @@ def _measure(rank, row, shape, cpu, iterations, seed, init_file) -> dict:
     trainer = build_trainer(cfg, task, task.build_model(cfg.model), task.build_criterion(cfg.criterion))
     model = trainer.get_model()
     data_rank = parallel_state.get_data_parallel_rank()
-    times, activations, loss = [], 0, None
+    times, cpu_times, activations, loss = [], [], 0, None
     for iteration in range(iterations):
         samples = rank_samples(global_batch(iteration, shape, seed), row, shape, data_rank)
         _wait_for_all(cpu, row)
         if iteration == UNTIMED and not cpu:
             torch.cuda.reset_peak_memory_stats()  # measured, as the times, after the warm-up
         saved = memory.SavedActivations(model)  # after the trainer moved the model to its device
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         with saved:
             logged = trainer.train_step(samples)
         _wait_for_all(cpu, row)
         if iteration >= UNTIMED:  # the first update of a pipeline also runs a forward to infer shapes
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
             activations = max(activations, saved.peak)
         loss = float(logged["loss"])
     parts = {
@@ -314,7 +323,7 @@ def _measure(rank, row, shape, cpu, iterations, seed, init_file) -> dict:
               "context": parallel_state.get_context_parallel_world_size(),
               "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
               "data": parallel_state.get_data_parallel_world_size()}
-    result = {"times": times, "loss": loss, "peak": peak, "ran_at": ran_at, **parts}
+    result = {"times": times, "cpu_times": cpu_times, "loss": loss, "peak": peak, "ran_at": ran_at, **parts}
     if dist.is_initialized():
         result["all_reduce"] = _all_reduce_seconds(cpu)
         dist.barrier()
@@ -386,6 +395,7 @@ def run_layout(row: Layout, shape: Shape, cpu: bool, iterations: int, seed: int)
     if "all_reduce" in ranks[0]:
         line["all_reduce_seconds"] = ranks[0]["all_reduce"]
     line.update(iteration_ms=round(statistics.median(ranks[0]["times"]) * 1e3, 1), loss=round(ranks[0]["loss"], 4),
+                cpu_ms=round(max(statistics.median(r["cpu_times"]) for r in ranks) * 1e3, 1),
                 peak_memory_mib=_mib(max(r["peak"] for r in ranks)))
     for r, result in enumerate(ranks):
         for part in PARTS + ("peak",):
@@ -479,12 +489,36 @@ def add_predictions(lines: List[dict], shape: Shape, cpu: bool) -> None:
             line["predicted_ms"] = predicted_ms(layout(line["layout"]), shape, hardware, cpu)
 
 
+APART = 0.10  # predicted times closer than this are within the spread of one row's runs on a shared CPU
+
+
 def orderings(lines: List[dict]) -> str:
-    """The rows from fastest to slowest, measured and predicted."""
+    """The rows from fastest to slowest, measured and predicted, and how
+    many of the pairs predicted at least :data:`APART` apart were measured
+    in the predicted order (:func:`ordered_pairs`)."""
     ran = [line for line in lines if line["status"] == "ok" and line.get("predicted_ms")]
     measured = [line["layout"] for line in sorted(ran, key=lambda line: line["iteration_ms"])]
     predicted = [line["layout"] for line in sorted(ran, key=lambda line: line["predicted_ms"])]
-    return f"fastest first, measured:  {' < '.join(measured)}\nfastest first, predicted: {' < '.join(predicted)}"
+    agree, pairs = ordered_pairs(ran)
+    return (f"fastest first, measured:  {' < '.join(measured)}\nfastest first, predicted: {' < '.join(predicted)}\n"
+            f"pairs of rows predicted at least {APART:.0%} apart: {agree} of {len(pairs)} measured in that order"
+            + "".join(f"\n  {a} < {b} predicted ({pa:.0f} < {pb:.0f} ms), measured {ma:.0f} {'<' if ma < mb else '>='} "
+                      f"{mb:.0f} ms" for a, b, pa, pb, ma, mb in pairs))
+
+
+def ordered_pairs(lines: List[dict]):
+    """Of ``lines`` (rows with ``iteration_ms`` and ``predicted_ms``), the
+    pairs whose predicted times differ by at least :data:`APART` of the
+    faster, as ``(faster, slower, predicted ms of each, measured ms of
+    each)``, and how many of them were measured faster first."""
+    pairs = []
+    for i, a in enumerate(lines):
+        for b in lines[i + 1:]:
+            fast, slow = sorted((a, b), key=lambda line: line["predicted_ms"])
+            if slow["predicted_ms"] >= (1 + APART) * fast["predicted_ms"]:
+                pairs.append((fast["layout"], slow["layout"], fast["predicted_ms"], slow["predicted_ms"],
+                              fast["iteration_ms"], slow["iteration_ms"]))
+    return sum(1 for pair in pairs if pair[4] < pair[5]), pairs
 
 
 # ----------------------------------------------------------------- output
@@ -492,7 +526,7 @@ def orderings(lines: List[dict]) -> str:
 
 def format_table(lines: List[dict]) -> str:
     """The rows as a text table (failed rows with their status)."""
-    out = [f"{'layout':<9}{'ranks':>6}{'iteration ms':>14}{'predicted':>11}{'peak MiB':>10}{'loss':>8}   "
+    out = [f"{'layout':<9}{'ranks':>6}{'iteration ms':>14}{'CPU ms':>9}{'predicted':>11}{'peak MiB':>10}{'loss':>8}   "
            f"per rank MiB: parameters / gradients / optimizer / activations"]
     for line in lines:
         if line["status"] != "ok":
@@ -501,7 +535,8 @@ def format_table(lines: List[dict]) -> str:
         ranks = "   ".join(" / ".join(f"{line[f'rank{r}_{part}_mib']:g}" for part in PARTS)
                            for r in range(line["world_size"]))
         predicted = f"{line['predicted_ms']:.1f}" if line.get("predicted_ms") else "-"
-        out.append(f"{line['layout']:<9}{line['world_size']:>6}{line['iteration_ms']:>14.1f}{predicted:>11}"
+        cpu = f"{line['cpu_ms']:.1f}" if line.get("cpu_ms") else "-"
+        out.append(f"{line['layout']:<9}{line['world_size']:>6}{line['iteration_ms']:>14.1f}{cpu:>9}{predicted:>11}"
                    f"{line['peak_memory_mib']:>10.1f}{line['loss']:>8.3f}   {ranks}")
     return "\n".join(out)
 
@@ -587,6 +622,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the layouts to run, of {', '.join(LAYOUTS)} (default: all, in that order)")
     p.add_argument("--iterations", type=int, default=6,
                    help=f"updates per row; the first {UNTIMED} are not timed (default: 6)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every row this many times in turn and keep each row's fastest round (default: 1): "
+                        "on a shared machine, the round least slowed by other work")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--csv", metavar="PATH", help="write one line per row to this CSV file")
     p.add_argument("--png", metavar="PATH", help="plot the rows into this PNG file")
@@ -596,6 +634,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give at least 1")
     if args.iterations <= UNTIMED:
         parser.error(f"--iterations {args.iterations}: the first {UNTIMED} are not timed; give at least {UNTIMED + 1}")
     for flag, path in (("--csv", args.csv), ("--png", args.png)):
@@ -617,12 +657,21 @@ def main(argv=None) -> int:
           f"{shape.batch} x {shape.seq_len} tokens per iteration, {args.iterations} iterations, "
           f"{'fp32 on CPU' if args.cpu else 'bf16 autocast'}; {_device(args.cpu)}, "
           f"{datetime.date.today().isoformat()}", flush=True)
+    load = os.getloadavg()[0]
     lines = []
-    for name in args.rows:
-        lines.append(run_layout(layout(name), shape, args.cpu, args.iterations, args.seed))
-        print(format_table(lines[-1:]).splitlines()[-1], flush=True)
+    for round_ in range(args.rounds):
+        for i, name in enumerate(args.rows):
+            line = run_layout(layout(name), shape, args.cpu, args.iterations, args.seed)
+            print(format_table([line]).splitlines()[-1], flush=True)
+            if round_ == 0:
+                lines.append(line)
+            elif line["status"] == "ok" and lines[i]["status"] == "ok" and \
+                    line["iteration_ms"] < lines[i]["iteration_ms"]:  # the round least disturbed by other load
+                lines[i] = line
     add_predictions(lines, shape, args.cpu)
     print()
+    print(f"load average (1 minute) at the start {load:.1f}, at the end {os.getloadavg()[0]:.1f}"
+          + (f"; each row's fastest of {args.rounds} rounds" if args.rounds > 1 else ""))
     print(format_table(lines))
     print(orderings(lines))
     if args.csv:

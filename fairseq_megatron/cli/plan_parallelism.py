@@ -119,6 +119,9 @@ def build_parser():
                         "--no-reshard-after-forward (each layer's weights stay gathered until its backward)")
     p.add_argument("--no-flash-attention", dest="flash_attention", action="store_false",
                    help="count the stored attention matrix (5*a*s^2*b bytes per layer) and its memory traffic")
+    p.add_argument("--compile-layers", dest="fused_elementwise", action="store_true",
+                   help="fairseq-train's --compile-layers: time each dropout and its residual add as one fused "
+                        "kernel (as the Megatron-LM paper's fused bias-dropout-add)")
     p.add_argument("--tp", type=positive(int), help="only this tensor-parallel size")
     p.add_argument("--pp", type=positive(int), help="only this pipeline-parallel size")
     p.add_argument("--vp", type=positive(int),
@@ -251,7 +254,7 @@ def main(argv=None) -> int:
                        checkpointing=args.checkpoint_activations, sequence_parallel=args.sequence_parallel,
                        flash_attention=args.flash_attention, tp=args.tp, pp=args.pp, offloading=args.offload_activations,
                        zero_sharding=args.zero_sharding, optimizer=args.optimizer, cp=args.cp, vp=args.vp, gpu=gpu,
-                       margin_gb=margin)
+                       margin_gb=margin, fused_elementwise=args.fused_elementwise)
         layouts = plan(shape, **request, fully_sharded=args.fully_sharded)
         alternative = None
         if not (args.fully_sharded or args.zero_sharding or args.precision == "bf16"):

@@ -67,11 +67,10 @@ def default_margin_gb(memory_gb: float) -> float:
 
 def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, micro_batch: int,
          global_batch: int, precision: str = "fp16", checkpointing: bool = False,
-         sequence_parallel: bool = False, flash_attention: bool = True,
-         tp: Optional[int] = None, pp: Optional[int] = None, offloading: bool = False,
-         zero_sharding: bool = False, optimizer: str = "adam",
-         fully_sharded: Optional[str] = None, cp: int = 1, vp: Optional[int] = None,
-         gpu: Optional[GPU] = None, margin_gb: Optional[float] = None) -> List[Layout]:
+         sequence_parallel: bool = False, flash_attention: bool = True, tp: Optional[int] = None,
+         pp: Optional[int] = None, offloading: bool = False, zero_sharding: bool = False, optimizer: str = "adam",
+         fully_sharded: Optional[str] = None, cp: int = 1, vp: Optional[int] = None, gpu: Optional[GPU] = None,
+         margin_gb: Optional[float] = None, fused_elementwise: bool = False) -> List[Layout]:
     """Every valid layout with its memory per GPU and predicted step time.
 
     ``offloading`` (``--offload-activations``) implies ``checkpointing``.
@@ -83,6 +82,7 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
     size of every layout. ``gpu``: the hardware the steps are timed on
     (default: the ``a100-80gb`` preset); ``gpu_memory_gb`` is its memory, of
     which ``margin_gb`` (default :func:`default_margin_gb`) is kept free.
+    ``fused_elementwise``: ``--compile-layers`` (``Training``).
 
     Valid: TP divides the heads and the FFN size and stays within a node
     (TP divides ``gpus_per_node``), PP divides the layers, DP = gpus / (TP*PP*CP)
@@ -106,7 +106,7 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
             valid (the message says why).
     """
     training = Training(micro_batch, precision, checkpointing or offloading, sequence_parallel, flash_attention,
-                        offloading, zero_sharding, optimizer, fully_sharded)
+                        offloading, zero_sharding, optimizer, fully_sharded, fused_elementwise)
     training.check()
     cluster = Cluster(gpus, gpus_per_node, dataclasses.replace(gpu or GPUS["a100-80gb"], memory_gb=gpu_memory_gb))
     cluster.check()

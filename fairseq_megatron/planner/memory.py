@@ -114,7 +114,9 @@ class Training:
     it), sequence parallelism, flash attention, ``zero_sharding`` (fairseq's
     ``--zero-sharding os``) and ``fully_sharded`` (None, ``"zero3"`` or
     ``"zero2"``: ``--ddp-backend fully_sharded`` without or with
-    ``--no-reshard-after-forward``)."""
+    ``--no-reshard-after-forward``) and ``fused_elementwise`` (fairseq-train's
+    ``--compile-layers``: each dropout and the residual add after it run as
+    one kernel; time only, :mod:`~fairseq_megatron.planner.step_time`)."""
 
     micro_batch: int
     precision: str = "fp16"
@@ -125,6 +127,7 @@ class Training:
     zero_sharding: bool = False
     optimizer: str = "adam"
     fully_sharded: Optional[str] = None
+    fused_elementwise: bool = False
 
     def check(self) -> None:
         """Raises PlanError for a value the planner does not know."""

@@ -25,7 +25,14 @@ micro-batch meets them:
 * **pipeline transfers**: each of the ``V`` chunks of a stage receives a
   micro-batch's activations (``s*b*h/C``) and sends back their gradient,
   through the network once the model copy spans nodes (torch's schedules
-  wait for each receive before computing).
+  wait for each receive before computing); and once per step, after the
+  backward, the all-reduce of the tied token embedding's gradient between
+  the first stage, which holds the embedding, and the last, which holds its
+  copy for the output projection (``V*h / T`` gradients, over the network
+  once the model copy spans nodes; this package's
+  ``PipelineSchedule._sum_embedding_grads``, as Megatron-LM's
+  ``_allreduce_word_embedding_grads``, Narayanan et al. 2021's code, which
+  also ran it after the flush).
 
 A stage's step is then ``(m + (P - 1) / V) * cycle`` for ``m`` micro-batches
 and a cycle of the costs above (the **pipeline bubble** is the
@@ -48,7 +55,12 @@ and a cycle of the costs above (the **pipeline bubble** is the
 Element-wise bytes of one layer's forward, per GPU, for activations of
 ``e`` bytes and 1-byte dropout masks: two layer norms (read, write), two
 dropouts (read, write, mask) and two residual adds (read two, write one):
-``(14e + 2) * s*b*h`` (``/ T`` with sequence parallelism); GeLU:
+``(14e + 2) * s*b*h`` (``/ T`` with sequence parallelism); with the
+dropout and the residual add fused (``Training.fused_elementwise``:
+torch.compile's kernels under ``--compile-layers``, as the Megatron-LM
+paper's bias + dropout + add kernel, Narayanan et al. 2021, section 4.2),
+each pair reads its two inputs and writes the sum and the mask:
+``(10e + 2) * s*b*h``; GeLU:
 ``2e * s*b*f / T``; attention: with flash attention its inputs and output,
 ``4e * s*b*h / T``, without it the ``a*s^2*b / T`` scores written, soft-maxed,
 dropped out and read again: ``(6e + 1)`` bytes each; all ``/ C``. The
@@ -102,7 +114,7 @@ def elementwise_bytes_per_layer(m: ModelShape, micro_batch: int, tp: int, cp: in
     """Bytes the element-wise kernels of one layer's forward move on one GPU (this module's docstring)."""
     e, s, b = training.activation_bytes, m.seq_len, micro_batch
     sbh = s * b * m.hidden / cp
-    replicated = (14 * e + 2) * sbh / (tp if training.sequence_parallel else 1)
+    replicated = ((10 if training.fused_elementwise else 14) * e + 2) * sbh / (tp if training.sequence_parallel else 1)
     gelu = 2 * e * sbh * m.ffn / m.hidden / tp
     if training.flash_attention:
         attention = 4 * e * sbh / tp
@@ -160,6 +172,19 @@ def _gradient_reduction_seconds(training: Training, cluster: Cluster, params: in
     return seconds, sent
 
 
+def _embedding_reduction_seconds(m: ModelShape, tp: int, training: Training, cluster: Cluster, across_nodes: bool,
+                                 shards: int) -> Tuple[float, float]:
+    """Seconds of the all-reduce of the tied embedding's gradient (``V*h / T``
+    elements in the gradients' dtype, split ``shards`` ways when fully
+    sharded) between the first and the last pipeline stage, and the bytes it
+    sends across nodes."""
+    wide = training.precision in ("fp32", "bf16-autocast")
+    gradients = m.vocab * m.hidden / tp * (4 if wide else 2) / shards
+    stride = cluster.gpus_per_node if across_nodes else 1  # two stages in two nodes, or in one
+    return (cluster.collective_seconds("all_reduce", gradients, 2, stride),
+            cluster.network_bytes("all_reduce", gradients, 2, stride))
+
+
 def step_time(m: ModelShape, tp: int, pp: int, dp: int, accumulation: int, training: Training, cluster: Cluster,
               params_per_gpu: int, cp: int = 1, vp: int = 1, global_batch: int = None) -> StepTime:
     """The predicted seconds of one step of ``accumulation`` micro-batches
@@ -194,12 +219,17 @@ def step_time(m: ModelShape, tp: int, pp: int, dp: int, accumulation: int, train
                                                          cycle * (passes - 1) / passes)
         sent += reduced
     held = params_per_gpu / (replicas if training.fully_sharded else 1)
+    embedding = 0.0
+    if pp > 1:  # the tied embedding's two copies, on the first and the last stage
+        embedding, embedding_sent = _embedding_reduction_seconds(m, tp, training, cluster, across_nodes,
+                                                                 replicas if training.fully_sharded else 1)
+        sent += embedding_sent
     costs = {
         "compute": accumulation * compute,
         "memory_bound": accumulation * (moved / memory_rate),
         "tensor_parallel": accumulation * tensor,
         "context_parallel": accumulation * context,
-        "pipeline_transfers": accumulation * transfers,
+        "pipeline_transfers": accumulation * transfers + embedding,
         "pipeline_bubble": (pp - 1) / vp * cycle,
         "data_parallel": accumulation * sharded + reduction,
         "optimizer": held * OPTIMIZER_BYTES / memory_rate,

@@ -43,6 +43,8 @@ def test_two_rows_print_write_and_plot(tmp_path):
         assert float(context[f"rank{r}_parameters_mib"]) == float(baseline["rank0_parameters_mib"])  # not split by C
     assert float(context["peak_memory_mib"]) < float(baseline["peak_memory_mib"])
     assert float(baseline["iteration_ms"]) > 0 and float(context["iteration_ms"]) > 0
+    # a process's CPU time in an update: the baseline's one thread cannot spend more than the update's time
+    assert 0 < float(baseline["cpu_ms"]) <= 1.05 * float(baseline["iteration_ms"]) and float(context["cpu_ms"]) > 0
     table = run.stdout[run.stdout.index("layout    ranks"):].splitlines()
     assert [line.split()[0] for line in table[1:3]] == ["baseline", "CP2"]
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png_path.stat().st_size > 10_000

@@ -110,3 +110,19 @@ def test_an_output_that_is_a_directory_is_one_line_before_any_row(tmp_path, caps
     assert err.endswith(f"{flag} {tmp_path}: a directory; give a file name in it, e.g. "
                         f"{tmp_path / ('ablation.' + flag[2:])}"), err
     assert os.listdir(tmp_path) == []
+
+
+def test_ordered_pairs_count_the_rows_predicted_apart_that_ran_in_that_order():
+    """Pairs predicted at least 10% apart (ablation.APART) are compared;
+    closer ones are not."""
+    lines = [{"layout": "baseline", "predicted_ms": 200.0, "iteration_ms": 390.0},
+             {"layout": "DP2", "predicted_ms": 100.0, "iteration_ms": 150.0},
+             {"layout": "TP2", "predicted_ms": 105.0, "iteration_ms": 140.0},  # 5% from DP2: not compared
+             {"layout": "PP2", "predicted_ms": 130.0, "iteration_ms": 120.0}]  # measured faster than both
+    agree, pairs = ablation.ordered_pairs(lines)
+    assert [(fast, slow) for fast, slow, *_ in pairs] == [("DP2", "baseline"), ("TP2", "baseline"),
+                                                         ("PP2", "baseline"), ("DP2", "PP2"), ("TP2", "PP2")]
+    assert agree == 3
+    text = ablation.orderings([dict(line, status="ok") for line in lines])
+    assert "pairs of rows predicted at least 10% apart: 3 of 5 measured in that order" in text
+    assert "  DP2 < PP2 predicted (100 < 130 ms), measured 150 >= 120 ms" in text

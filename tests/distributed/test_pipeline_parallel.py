@@ -7,7 +7,10 @@ ending an epoch (a short last batch with a short last block, and one sample
 fewer than ``--update-freq``), at P = 2 and P = 4, at T 2 x P 2 (with
 activation checkpointing and sequence parallelism) and at D 2 x P 2. Each
 run is compared with a one-stage run of the same tensor-parallel size,
-and so is P = 2 with 2 model chunks per stage (the interleaved schedule),
+and so is P = 2 with 2 model chunks per stage under each other schedule of
+``--pipeline-schedule`` (interleaved 1F1B, and the zero-bubble ones, whose
+backward is split into input and weight passes: interleaved-zb, zbv and
+dualpipev, the last two placing the chunks in a V), same
 options and data: per-update loss and gradient norm, the last update's gradients and
 the final weights. Each rank is shown to hold only its stage's layers, and
 the tied embedding's two copies (first and last stage) to be bitwise equal
@@ -39,7 +42,7 @@ import pytest
 import torch
 
 from tests.helpers import run_distributed
-from tests.support.pipeline import LR, compare_runs, train
+from tests.support.pipeline import LR, compare_runs, epoch, train
 
 LAYERS, MICRO_BATCHES, UPDATES = 4, 4, 20
 # The 4-process layouts (on 2 cores each tensor-parallel all-reduce waits for a
@@ -51,25 +54,35 @@ HALF_LOSS_TOL = {"fp16": dict(rtol=1e-3, atol=0.0), "bf16": dict(rtol=1e-3, atol
 HALF_GRAD_TOL = {"fp16": dict(rtol=0.0, atol=5e-4), "bf16": dict(rtol=0.0, atol=1e-3)}
 
 
-def _run(tmp_path, name, tensor, stages, data=1, extra=(), updates=UPDATES):
+# --pipeline-schedule: torch's class, the options beside it, whether the chunks are placed in a V
+SCHEDULE_RUNS = (("interleaved-zb", "ScheduleInterleavedZeroBubble", ("--virtual-pipeline-model-parallel-size", "2"),
+                  False),
+                 ("zbv", "ScheduleZBVZeroBubble", (), True),
+                 ("dualpipev", "ScheduleDualPipeV", (), True))
+
+
+def _run(tmp_path, name, tensor, stages, data=1, extra=(), updates=UPDATES, tied=True):
     return run_distributed(train, tensor * stages * data, tmp_path / name, tensor, stages, MICRO_BATCHES, LAYERS,
-                           updates, extra)
+                           updates, extra, 1, epoch, tied)
 
 
-def _check_split(results, tensor, stages, data, virtual=1):
+def _check_split(results, tensor, stages, data, virtual=1, v_shape=False):
     """Every (tensor, data, stage) coordinate ran once, each rank holding
     only its stage's layers: with ``virtual`` model chunks per stage, those
-    of virtual stages s, s + P, ..."""
+    of virtual stages s, s + P, ... (``v_shape``: s and 2P - 1 - s, stage 0
+    holding the first chunk and the last)."""
     coordinates = sorted(r["coordinates"] for r in results)
     assert coordinates == sorted((t, d, p) for t in range(tensor) for d in range(data) for p in range(stages))
     per_chunk = LAYERS // (stages * virtual)
+    last = 0 if v_shape else stages - 1
     for r in results:
         stage = r["coordinates"][2]
-        chunks = range(stage, stages * virtual, stages)
-        assert r["layers"] == [i for c in chunks for i in range(c * per_chunk, (c + 1) * per_chunk)], r["coordinates"]
+        chunks = (stage, 2 * stages - 1 - stage) if v_shape else range(stage, stages * virtual, stages)
+        layers = sorted(i for c in chunks for i in range(c * per_chunk, (c + 1) * per_chunk))
+        assert r["layers"] == layers, r["coordinates"]
         has = {n.split(".")[1] for n in r["names"]}
-        assert ("embed_tokens" in has) == (stage in (0, stages - 1)), r["names"]
-        assert ("layer_norm" in has) == (stage == stages - 1), r["names"]
+        assert ("embed_tokens" in has) == (stage in (0, last)), r["names"]
+        assert ("layer_norm" in has) == (stage == last), r["names"]
 
 
 def _check_tied_copies(results, stages):
@@ -88,17 +101,38 @@ def test_stages_match_one_stage(tmp_path):
         _check_split(results, 1, stages, 1)
         _check_tied_copies(results, stages)
         compare_runs(results, reference)
+        assert {r["schedule"] for r in results} == {"Schedule1F1B"}
     # the interleaved schedule: 2 stages of 2 model chunks, rank 0 holding layers 0 and 2, rank 1 layers 1 and 3
     results = _run(tmp_path, "p2v2", 1, 2, extra=("--virtual-pipeline-model-parallel-size", "2"))
     _check_split(results, 1, 2, 1, virtual=2)
     _check_tied_copies(results, 2)
     compare_runs(results, reference)
+    assert {r["schedule"] for r in results} == {"ScheduleInterleaved1F1B"}
+    # the zero-bubble schedules' split backward (input and weight passes), 2 chunks per stage; under zbv and
+    # dualpipev stage 0 holds both ends of the model and the tied embedding is one tensor there, no copy elsewhere
+    for name, schedule_class, extra, v_shape in SCHEDULE_RUNS:
+        results = _run(tmp_path, name, 1, 2, extra=("--pipeline-schedule", name, *extra))
+        assert {r["schedule"] for r in results} == {schedule_class}
+        _check_split(results, 1, 2, 1, virtual=2, v_shape=v_shape)
+        compare_runs(results, reference)
     # Control: the same run at twice the learning rate has the same first loss and then departs
     # from it; the comparison refuses it on the values.
     control = _run(tmp_path, "control", 1, 1, extra=("--lr", str(2 * LR)))
     assert control[0]["losses"][0] == reference[0]["losses"][0]
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         compare_runs(control, reference)
+
+
+@pytest.mark.slow
+def test_zero_bubble_schedules_without_tied_embeddings(tmp_path):
+    """zbv with the embedding and the output projection two tensors on
+    stage 0, and ZB-1P (interleaved-zb at one chunk per stage)."""
+    reference = _run(tmp_path, "p1", 1, 1, tied=False)
+    for name, extra in (("zbv", ("--pipeline-schedule", "zbv")), ("zb1p", ("--pipeline-schedule", "interleaved-zb"))):
+        results = _run(tmp_path, name, 1, 2, extra=extra, tied=False)
+        assert all("decoder.output_projection.weight" in r["names"] for r in results if r["coordinates"][2] == 0) \
+            == (name == "zbv")
+        compare_runs(results, reference)
 
 
 @pytest.mark.slow

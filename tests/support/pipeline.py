@@ -47,10 +47,10 @@ def epoch(updates: int, micro_batches: int, data_parallel_rank: int = 0) -> list
     return out
 
 
-def build(tensor: int, stages: int, micro_batches: int, layers: int, extra=(), context: int = 1):
+def build(tensor: int, stages: int, micro_batches: int, layers: int, extra=(), context: int = 1, tied: bool = True):
     """Our trainer for a ``layers`` x 32 ``transformer_lm_megatron_11b``
-    (tied embeddings, no dropout) on fairseq's dummy_lm task, with this
-    world's groups made for ``tensor`` x ``context`` x ``stages``."""
+    (tied embeddings unless not ``tied``, no dropout) on fairseq's dummy_lm
+    task, with this world's groups made for ``tensor`` x ``context`` x ``stages``."""
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
@@ -64,7 +64,7 @@ def build(tensor: int, stages: int, micro_batches: int, layers: int, extra=(), c
         "--task", "dummy_lm", "--tokens-per-sample", str(LENGTH), "--dict-size", str(VOCAB - 4),
         "--batch-size", str(ROWS), "--arch", "transformer_lm_megatron_11b", "--decoder-layers", str(layers),
         "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4",
-        "--share-decoder-input-output-embed", "--dropout", "0", "--attention-dropout", "0",
+        *(["--share-decoder-input-output-embed"] if tied else []), "--dropout", "0", "--attention-dropout", "0",
         "--criterion", "vocab_parallel_cross_entropy", "--optimizer", "adam", "--lr", "1e-3", "--clip-norm", "0.5",
         "--seed", "3", "--update-freq", str(micro_batches), "--model-parallel-size", str(tensor),
         "--pipeline-model-parallel-size", str(stages), "--context-parallel-size", str(context),
@@ -91,7 +91,8 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def train(rank, world_size, tensor, stages, micro_batches, layers, updates, extra=(), context=1, batches=epoch):
+def train(rank, world_size, tensor, stages, micro_batches, layers, updates, extra=(), context=1, batches=epoch,
+          tied=True):
     """Train ``updates`` updates of ``batches`` (:func:`epoch`: this rank's
     data-parallel shard). Returns per update the loss per token and the
     gradient norm (as the trainer computed them), this rank's coordinates,
@@ -100,7 +101,7 @@ def train(rank, world_size, tensor, stages, micro_batches, layers, updates, extr
     embedding's digest on the stages that hold it, and at the end its
     parameters and their last gradients."""
     torch.set_num_threads(1)  # up to 4 ranks share the machine's cores; the model is tiny
-    trainer = build(tensor, stages, micro_batches, layers, extra, context)
+    trainer = build(tensor, stages, micro_batches, layers, extra, context, tied)
     trainer.get_model().run_deferred_initialisation()
     norms, losses, embedding_digests = [], [], []
     clip = trainer.clip_grad_norm
@@ -131,6 +132,7 @@ def train(rank, world_size, tensor, stages, micro_batches, layers, updates, extr
     return {
         "memory": (parameter_bytes(model), gradient_bytes(model), fairseq_optimizer_state_bytes(trainer.optimizer)),
         "sharded": [n for n, p in model.named_parameters() if hasattr(p, "device_mesh")],
+        "schedule": type(trainer.pipeline._schedule).__name__ if trainer.pipeline is not None else None,
         "coordinates": (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank(),
                         parallel_state.get_pipeline_model_parallel_rank()),
         "context": (parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_world_size()),

@@ -70,6 +70,7 @@ stages, that is the same ``L / P`` layers per rank as 1F1B at ``P``.
 
 from typing import NamedTuple, Optional
 
+import torch
 from fairseq.utils import safe_getattr
 
 from fairseq_megatron.errors import UsageError
@@ -174,8 +175,10 @@ def check_schedule(args) -> None:
     than :func:`micro_batches_needed`, or, with chunks in the loop placement,
     a number not divisible by ``P`` (Megatron-Core's rule: the interleaved
     schedules run them in rounds of one per stage); compiled layers with a
-    split backward (torch runs its input and weight passes through a
-    compiled region's one backward, pytorch/pytorch#161904).
+    split backward (its input pass keeps the graph for the weight pass,
+    which torch's compiled backward refuses where it donates its buffers:
+    "This backward function was compiled with non-empty donated buffers",
+    pytorch/pytorch#161904).
 
     Raises:
         UsageError: the first refusal, naming the option to change.
@@ -196,8 +199,9 @@ def check_schedule(args) -> None:
                          f"{stages}: the {schedule.name} schedule with {virtual} model chunks per stage runs the "
                          f"micro-batches in rounds of one per stage")
     if schedule.splits_backward and safe_getattr(args, "compile_layers", False):
-        raise UsageError(f"--compile-layers with --pipeline-schedule {schedule.name}: its split backward (input "
-                         f"and weight passes) cannot run through compiled layers in this torch "
+        raise UsageError(f"--compile-layers with --pipeline-schedule {schedule.name}: its split backward keeps "
+                         f"the graph after the input pass for the weight pass, which a compiled backward with "
+                         f"donated buffers refuses in torch {torch.__version__.split('+')[0]} "
                          f"(pytorch/pytorch#161904); drop one, or use --pipeline-schedule 1f1b or interleaved-1f1b")
 
 

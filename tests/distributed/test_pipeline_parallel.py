@@ -38,11 +38,13 @@ and 1e-3 for bf16 (seen: 1.5e-4), entries reaching 6e-2; the weights are
 not compared (they drift apart by roundings after each Adam step).
 """
 
+from functools import partial
+
 import pytest
 import torch
 
 from tests.helpers import run_distributed
-from tests.support.pipeline import LR, compare_runs, epoch, train
+from tests.support.pipeline import LOSS_TOL, LR, compare_runs, epoch, epoch_part, train
 
 LAYERS, MICRO_BATCHES, UPDATES = 4, 4, 20
 # The 4-process layouts (on 2 cores each tensor-parallel all-reduce waits for a
@@ -61,9 +63,28 @@ SCHEDULE_RUNS = (("interleaved-zb", "ScheduleInterleavedZeroBubble", ("--virtual
                  ("dualpipev", "ScheduleDualPipeV", (), True))
 
 
-def _run(tmp_path, name, tensor, stages, data=1, extra=(), updates=UPDATES, tied=True):
+def _run(tmp_path, name, tensor, stages, data=1, extra=(), updates=UPDATES, tied=True, batches=epoch, checkpoint=None):
     return run_distributed(train, tensor * stages * data, tmp_path / name, tensor, stages, MICRO_BATCHES, LAYERS,
-                           updates, extra, 1, epoch, tied)
+                           updates, extra, 1, batches, tied, checkpoint)
+
+
+INTERLEAVED = ("--virtual-pipeline-model-parallel-size", "2")
+SAVED_AFTER = 15  # the interleaved run saves a checkpoint after this update; runs resumed from it train the rest
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The one-stage run, and the interleaved one (P 2 x V 2), which saves
+    ``checkpoint.pt`` after update 15 of 20 and trains on."""
+    root = tmp_path_factory.mktemp("pipeline")
+    saved = str(root / "checkpoint.pt")
+    interleaved = _run(root, "p2v2", 1, 2, extra=INTERLEAVED, checkpoint=dict(save_after=SAVED_AFTER, save_to=saved))
+    return root, _run(root, "p1", 1, 1), interleaved, saved
+
+
+def _last(results, updates):
+    """``results`` with the losses and norms of their last ``updates`` updates alone."""
+    return [dict(r, losses=r["losses"][-updates:], norms=r["norms"][-updates:]) for r in results]
 
 
 def _check_split(results, tensor, stages, data, virtual=1, v_shape=False):
@@ -94,8 +115,8 @@ def _check_tied_copies(results, stages):
             assert first["embedding_digests"] == last["embedding_digests"]
 
 
-def test_stages_match_one_stage(tmp_path):
-    reference = _run(tmp_path, "p1", 1, 1)
+def test_stages_match_one_stage(tmp_path, runs):
+    _, reference, interleaved, _ = runs
     for stages in (2, 4):
         results = _run(tmp_path, f"p{stages}", 1, stages)
         _check_split(results, 1, stages, 1)
@@ -103,7 +124,7 @@ def test_stages_match_one_stage(tmp_path):
         compare_runs(results, reference)
         assert {r["schedule"] for r in results} == {"Schedule1F1B"}
     # the interleaved schedule: 2 stages of 2 model chunks, rank 0 holding layers 0 and 2, rank 1 layers 1 and 3
-    results = _run(tmp_path, "p2v2", 1, 2, extra=("--virtual-pipeline-model-parallel-size", "2"))
+    results = interleaved
     _check_split(results, 1, 2, 1, virtual=2)
     _check_tied_copies(results, 2)
     compare_runs(results, reference)
@@ -121,6 +142,36 @@ def test_stages_match_one_stage(tmp_path):
     assert control[0]["losses"][0] == reference[0]["losses"][0]
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         compare_runs(control, reference)
+
+
+def test_a_checkpoint_of_two_stages_of_two_chunks_resumes_at_any_layout_and_schedule(runs):
+    """The P 2 x V 2 checkpoint resumed with its optimizer state at P 2 x
+    V 1, at one stage and under zbv (the weights and each parameter's Adam
+    moments cut for the new stages) for the last 5 updates, against the run
+    that went on unchanged, at the tolerances of the module docstring; and
+    with --reset-optimizer (as --finetune-from-model: fairseq calls the same
+    load with it) at P 2 x V 1, and from the zbv run's own checkpoint at one
+    stage: the first loss is the one the weights give, the optimizer starts
+    again at step 1."""
+    root, _, interleaved, saved = runs
+    rest = UPDATES - SAVED_AFTER
+    zbv_saved = str(root / "checkpoint_zbv.pt")
+    for name, stages, extra, checkpoint in (
+            ("p2v1", 2, (), dict(restore=saved)),
+            ("p1", 1, (), dict(restore=saved)),
+            ("zbv", 2, ("--pipeline-schedule", "zbv"), dict(restore=saved, save_after=2, save_to=zbv_saved))):
+        results = _run(root, f"resumed-{name}", 1, stages, extra=extra, updates=rest, checkpoint=checkpoint,
+                       batches=partial(epoch_part, UPDATES, SAVED_AFTER))
+        assert {tuple(r["optimizer_steps"]) for r in results} == {(UPDATES,)}, name  # Adam's steps went on
+        compare_runs(results, _last(interleaved, rest))
+    for name, stages, extra, checkpoint, after in (
+            ("reset-p2v1", 2, (), dict(restore=saved, reset_optimizer=True), SAVED_AFTER),
+            ("reset-p1-from-zbv", 1, (), dict(restore=zbv_saved, reset_optimizer=True), SAVED_AFTER + 2)):
+        results = _run(root, name, 1, stages, extra=extra, updates=1, checkpoint=checkpoint,
+                       batches=partial(epoch_part, UPDATES, after))
+        assert {tuple(r["optimizer_steps"]) for r in results} == {(1,)}, name
+        torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(interleaved[0]["losses"][after:][:1]),
+                                   **LOSS_TOL)
 
 
 @pytest.mark.slow

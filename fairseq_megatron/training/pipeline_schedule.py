@@ -44,6 +44,7 @@ fairseq's fp16 wrappers record that gradients are new.
 """
 
 import contextlib
+import functools
 from typing import List, Optional
 
 import torch
@@ -52,8 +53,8 @@ import torch.nn as nn
 from fairseq import utils
 
 from fairseq_megatron.errors import UsageError
+from fairseq_megatron.models.pipeline_stage import V_SHAPE, Chunk, PipelineStageLayout
 from fairseq_megatron.training.pipeline_schedules import SCHEDULES, Schedule
-from fairseq_megatron.models.pipeline_stage import Chunk, PipelineStageLayout
 from fairseq_megatron.parallel import parallel_state
 
 def _rows(sample) -> int:
@@ -144,6 +145,28 @@ class ChunkModule(nn.Module):
         return x.contiguous()  # sent to the next chunk as it is laid out
 
 
+@functools.lru_cache(maxsize=None)
+def _evaluable_stage_class():
+    """torch's ``PipelineStage``, except that without a backward (``eval``)
+    it takes no input gradient from the next chunk on its own rank and hands
+    none on: torch's V-shaped schedules (``ScheduleZBVZeroBubble``,
+    ``ScheduleDualPipeV``) still pass them between a rank's two chunks in
+    ``eval``, which torch's stage refuses ("can't steal_bwd_input if this
+    stage doesn't have backward"; ``torch/distributed/pipelining/schedules.py``,
+    ``_PipelineScheduleRuntime``)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class EvaluablePipelineStage(PipelineStage):
+        def get_local_bwd_output(self, mb_index):
+            return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+        def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index):
+            if self.has_backward:
+                super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    return EvaluablePipelineStage
+
+
 class PipelineSchedule:
     """One pipeline stage of a ``model_parallel_transformer_lm`` and torch's
     schedule over it, with fairseq's ``train_step``/``valid_step``
@@ -187,7 +210,8 @@ class PipelineSchedule:
 
         if self._schedule is None:
             virtual_stages = self.stage.stages * self.stage.virtual
-            stages = [pipelining.PipelineStage(module, module.chunk.index, virtual_stages, device, group=self.group)
+            stage_class = _evaluable_stage_class() if self.schedule.placement == V_SHAPE else pipelining.PipelineStage
+            stages = [stage_class(module, module.chunk.index, virtual_stages, device, group=self.group)
                       for module in self.chunk_modules]
             loss_fn = lambda out, tgt: self._loss_fn(out, tgt)  # noqa: E731 (set per step)
             schedule_class = getattr(pipelining.schedules, self.schedule.torch_class)

@@ -63,9 +63,10 @@ SCHEDULE_RUNS = (("interleaved-zb", "ScheduleInterleavedZeroBubble", ("--virtual
                  ("dualpipev", "ScheduleDualPipeV", (), True))
 
 
-def _run(tmp_path, name, tensor, stages, data=1, extra=(), updates=UPDATES, tied=True, batches=epoch, checkpoint=None):
+def _run(tmp_path, name, tensor, stages, data=1, extra=(), updates=UPDATES, tied=True, batches=epoch, checkpoint=None,
+         validate=False):
     return run_distributed(train, tensor * stages * data, tmp_path / name, tensor, stages, MICRO_BATCHES, LAYERS,
-                           updates, extra, 1, batches, tied, checkpoint)
+                           updates, extra, 1, batches, tied, checkpoint, validate)
 
 
 INTERLEAVED = ("--virtual-pipeline-model-parallel-size", "2")
@@ -79,7 +80,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     saved = str(root / "checkpoint.pt")
     interleaved = _run(root, "p2v2", 1, 2, extra=INTERLEAVED, checkpoint=dict(save_after=SAVED_AFTER, save_to=saved))
-    return root, _run(root, "p1", 1, 1), interleaved, saved
+    return root, _run(root, "p1", 1, 1, validate=True), interleaved, saved
 
 
 def _last(results, updates):
@@ -132,8 +133,10 @@ def test_stages_match_one_stage(tmp_path, runs):
     # the zero-bubble schedules' split backward (input and weight passes), 2 chunks per stage; under zbv and
     # dualpipev stage 0 holds both ends of the model and the tied embedding is one tensor there, no copy elsewhere
     for name, schedule_class, extra, v_shape in SCHEDULE_RUNS:
-        results = _run(tmp_path, name, 1, 2, extra=("--pipeline-schedule", name, *extra))
+        results = _run(tmp_path, name, 1, 2, extra=("--pipeline-schedule", name, *extra), validate=True)
         assert {r["schedule"] for r in results} == {schedule_class}
+        for r in results:  # the forward alone (a validation step) on every rank, after the last update
+            torch.testing.assert_close(r["valid_loss"], reference[0]["valid_loss"], **LOSS_TOL)
         _check_split(results, 1, 2, 1, virtual=2, v_shape=v_shape)
         compare_runs(results, reference)
     # Control: the same run at twice the learning rate has the same first loss and then departs

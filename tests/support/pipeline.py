@@ -99,7 +99,7 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def train(rank, world_size, tensor, stages, micro_batches, layers, updates, extra=(), context=1, batches=epoch,
-          tied=True, checkpoint=None):
+          tied=True, checkpoint=None, validate=False):
     """Train ``updates`` updates of ``batches`` (:func:`epoch`: this rank's
     data-parallel shard). Returns per update the loss per token and the
     gradient norm (as the trainer computed them), this rank's coordinates,
@@ -113,7 +113,9 @@ def train(rank, world_size, tensor, stages, micro_batches, layers, updates, extr
     ``reset_optimizer`` its optimizer state afresh, as ``--reset-optimizer``
     and ``--finetune-from-model``); ``save_to``, where it saves one after
     update ``save_after`` (every rank its part, as fairseq-train does), then
-    trains on."""
+    trains on. ``validate``: the result holds ``valid_loss``, the loss of
+    one validation step on a sample of its own after the last update (the
+    schedule's forward alone, ``eval``)."""
     torch.set_num_threads(1)  # up to 4 ranks share the machine's cores; the model is tiny
     checkpoint = checkpoint or {}
     trainer = build(tensor, stages, micro_batches, layers, extra, context, tied)
@@ -148,12 +150,15 @@ def train(rank, world_size, tensor, stages, micro_batches, layers, updates, extr
             dist.barrier()  # every part written before any rank goes on (fairseq's save ends in one)
         if decoder.embed_tokens is not None:
             embedding_digests.append(_digest(decoder.embed_tokens.weight))
+    trainer._reduce_and_log_stats = reduce
+    valid_loss = float(trainer.valid_step(sample(7777))["loss"]) if validate else None
     model = trainer.get_model()
     from fairseq_megatron.training.memory import fairseq_optimizer_state_bytes, gradient_bytes, parameter_bytes
 
     return {
         "memory": (parameter_bytes(model), gradient_bytes(model), fairseq_optimizer_state_bytes(trainer.optimizer)),
         "sharded": [n for n, p in model.named_parameters() if hasattr(p, "device_mesh")],
+        "valid_loss": valid_loss,
         "schedule": type(trainer.pipeline._schedule).__name__ if trainer.pipeline is not None else None,
         "optimizer_steps": sorted({int(v["step"]) for v in trainer.optimizer.optimizer.state.values() if "step" in v}),
         "coordinates": (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank(),

@@ -7,22 +7,22 @@ stage holding ``V`` model chunks of ``L / (P x V)`` consecutive layers;
 torch's ``torch.distributed.pipelining`` runs them
 (:mod:`fairseq_megatron.training.pipeline_schedule`):
 
-================  ==============================  =========  ======================================
-name              torch's class                   chunks V   placement of the ``P x V`` chunks
-================  ==============================  =========  ======================================
-1f1b              ``Schedule1F1B``                1          stage s: chunk s
-interleaved-1f1b  ``ScheduleInterleaved1F1B``     any        loop: stage s: chunks s, s + P, ...
-interleaved-zb    ``ScheduleInterleavedZeroBubble``  any     loop
-zbv               ``ScheduleZBVZeroBubble``       2          V: stage s: chunks s and 2P - 1 - s
-dualpipev         ``ScheduleDualPipeV``           2          V
-================  ==============================  =========  ======================================
+================  =================================  ========  ======================================
+name              torch's class                      chunks V  placement of the ``P x V`` chunks
+================  =================================  ========  ======================================
+1f1b              ``Schedule1F1B``                   1         stage s: chunk s
+interleaved-1f1b  ``ScheduleInterleaved1F1B``        any       loop: stage s: chunks s, s + P, ...
+interleaved-zb    ``ScheduleInterleavedZeroBubble``  any       loop
+zbv               ``ScheduleZBVZeroBubble``          2         V: stage s: chunks s and 2P - 1 - s
+dualpipev         ``ScheduleDualPipeV``              2         V
+================  =================================  ========  ======================================
 
 The zero-bubble schedules (Qi et al. 2024, "Zero Bubble Pipeline
 Parallelism") split each backward into the gradient of the chunk's input
 (B, which the previous stage waits for) and of its weights (W, which no
 one waits for), and run the W passes where 1F1B idles. In the V placement
 the first and the last chunk sit on stage 0, which then holds the token
-embedding and the output projection, tied or not, in one tensor.
+embedding and the output projection (one tensor where they are tied).
 
 The layers a stage holds follow from the schedule, never from a
 checkpoint: checkpoints keep each layer's global number
@@ -51,21 +51,6 @@ backward and weight backward over a whole stage, the update's work is
 
 The papers take ``F = B = W``; so does :func:`idle_share_bound` unless
 given measured times.
-
-**Activations in flight** (:func:`activations_in_flight`): the most
-micro-batches whose activations one stage holds at once, in units of one
-micro-batch through the stage's ``L / P`` layers, on its fullest stage. A
-zero-bubble schedule keeps a micro-batch's activations until its W pass.
-1F1B: ``min(m, P)`` (the first stage runs ``P`` forwards before its first
-backward; Korthikanti et al. 2022, section 4.2.3); interleaved 1F1B:
-``min(m, P + (P - 1) / V)`` (torch's warm-up of ``(V - 1) P + 2 (P - 1)``
-chunk forwards; Narayanan et al. 2021: ``1 + (P - 1) / (P V)`` times
-1F1B's); ZB-1P, interleaved zero bubble and ZB-V: ``min(m, P)`` (Qi et al.
-2024: the memory of 1F1B); DualPipeV: ``P + 1 / 2`` (the DualPipe table's
-``PP + 1`` chunks of half a stage). DualPipe, the bidirectional schedule,
-keeps two copies of the parameters; DualPipeV, its V-shaped half, keeps
-one: its table's "2x" counts per device against a pipeline of ``2P``
-stages, that is the same ``L / P`` layers per rank as 1F1B at ``P``.
 """
 
 from typing import NamedTuple, Optional
@@ -226,17 +211,3 @@ def idle_share_bound(schedule: Schedule, stages: int, chunks: int, micro_batches
     }[schedule.name]
     bubble = max(bubble, 0.0)
     return bubble / (m * (f + b + w) + bubble)
-
-
-def activations_in_flight(schedule: Schedule, stages: int, chunks: int, micro_batches: int) -> float:
-    """The most micro-batches' activations one stage holds at once under
-    ``schedule`` (module docstring), in units of one micro-batch through a
-    stage's ``L / P`` layers, on the fullest stage."""
-    p, v, m = stages, chunks, micro_batches
-    if p == 1:
-        return 1.0
-    if schedule.name == "interleaved-1f1b":
-        return min(m, p + (p - 1) / v)
-    if schedule.name == "dualpipev":
-        return p + 0.5
-    return float(min(m, p))

@@ -5,7 +5,8 @@ embeddings, no dropout, for 20 updates of 4 micro-batches (3 for the layouts
 of 4 processes and in half precision), the last update
 ending an epoch (a short last batch with a short last block, and one sample
 fewer than ``--update-freq``), at P = 2 and P = 4, at T 2 x P 2 (with
-activation checkpointing and sequence parallelism) and at D 2 x P 2. Each
+activation checkpointing and sequence parallelism; 1F1B and zbv) and at
+D 2 x P 2 (1F1B and interleaved-zb). Each
 run is compared with a one-stage run of the same tensor-parallel size,
 and so is P = 2 with 2 model chunks per stage under each other schedule of
 ``--pipeline-schedule`` (interleaved 1F1B, and the zero-bubble ones, whose
@@ -195,7 +196,13 @@ def test_tensor_and_pipeline_with_checkpointing_and_sequence_parallel(tmp_path):
     results = _run(tmp_path, "tp_pp", 2, 2, extra=extra, updates=SHORT)
     _check_split(results, 2, 2, 1)
     _check_tied_copies(results, 2)
-    compare_runs(results, _run(tmp_path, "tp", 2, 1, extra=extra, updates=SHORT))
+    reference = _run(tmp_path, "tp", 2, 1, extra=extra, updates=SHORT)
+    compare_runs(results, reference)
+    # zbv: each tensor rank's stage 0 holds both ends of the model, its vocabulary shard of the tied embedding
+    results = _run(tmp_path, "tp_zbv", 2, 2, extra=(*extra, "--pipeline-schedule", "zbv"), updates=SHORT)
+    assert {r["schedule"] for r in results} == {"ScheduleZBVZeroBubble"}
+    _check_split(results, 2, 2, 1, virtual=2, v_shape=True)
+    compare_runs(results, reference)
 
 
 @pytest.mark.slow
@@ -203,7 +210,14 @@ def test_data_and_pipeline(tmp_path):
     results = _run(tmp_path, "dp_pp", 1, 2, data=2, updates=SHORT)
     _check_split(results, 1, 2, 2)
     _check_tied_copies(results, 2)
-    compare_runs(results, _run(tmp_path, "dp", 1, 1, data=2, updates=SHORT))
+    reference = _run(tmp_path, "dp", 1, 1, data=2, updates=SHORT)
+    compare_runs(results, reference)
+    # a zero-bubble schedule: legacy_ddp all-reduces the gradients after the last weight pass
+    results = _run(tmp_path, "dp_zb", 1, 2, data=2, updates=SHORT,
+                   extra=("--pipeline-schedule", "interleaved-zb", *INTERLEAVED))
+    assert {r["schedule"] for r in results} == {"ScheduleInterleavedZeroBubble"}
+    _check_split(results, 1, 2, 2, virtual=2)
+    compare_runs(results, reference)
 
 
 @pytest.mark.slow

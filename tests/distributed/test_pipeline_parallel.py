@@ -2,7 +2,7 @@
 
 fairseq's trainer (our ``MegatronTrainer``) trains a 4-layer model with tied
 embeddings, no dropout, for 20 updates of 4 micro-batches (3 for the layouts
-of 4 processes and in half precision), the last update
+of 4 processes, in half precision and untied), the last update
 ending an epoch (a short last batch with a short last block, and one sample
 fewer than ``--update-freq``), at P = 2 and P = 4, at T 2 x P 2 (with
 activation checkpointing and sequence parallelism; 1F1B and zbv) and at
@@ -49,8 +49,8 @@ from tests.support.pipeline import LOSS_TOL, LR, compare_runs, epoch, epoch_part
 
 LAYERS, MICRO_BATCHES, UPDATES = 4, 4, 20
 # The 4-process layouts (on 2 cores each tensor-parallel all-reduce waits for a
-# rank that is not running) and the half-precision runs, with their references,
-# run fewer updates.
+# rank that is not running), the half-precision runs and the untied ones, with
+# their references, run fewer updates.
 SHORT = 3
 HALF = {"fp16": ("--memory-efficient-fp16", "--fp16-init-scale", "4"), "bf16": ("--bf16-autocast",)}
 HALF_LOSS_TOL = {"fp16": dict(rtol=1e-3, atol=0.0), "bf16": dict(rtol=1e-3, atol=0.0)}
@@ -182,9 +182,9 @@ def test_a_checkpoint_of_two_stages_of_two_chunks_resumes_at_any_layout_and_sche
 def test_zero_bubble_schedules_without_tied_embeddings(tmp_path):
     """zbv with the embedding and the output projection two tensors on
     stage 0, and ZB-1P (interleaved-zb at one chunk per stage)."""
-    reference = _run(tmp_path, "p1", 1, 1, tied=False)
+    reference = _run(tmp_path, "p1", 1, 1, tied=False, updates=SHORT)
     for name, extra in (("zbv", ("--pipeline-schedule", "zbv")), ("zb1p", ("--pipeline-schedule", "interleaved-zb"))):
-        results = _run(tmp_path, name, 1, 2, extra=extra, tied=False)
+        results = _run(tmp_path, name, 1, 2, extra=extra, tied=False, updates=SHORT)
         assert all("decoder.output_projection.weight" in r["names"] for r in results if r["coordinates"][2] == 0) \
             == (name == "zbv")
         compare_runs(results, reference)

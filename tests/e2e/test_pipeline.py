@@ -124,6 +124,9 @@ def test_fine_tuning_a_checkpoint_of_two_chunks_per_stage_under_zbv(runs, traine
     first = torch.load(tmp_path / "zbv" / "checkpoint_last-model_part-0-stage-0.pt", weights_only=False)
     assert {k.split(".")[2] for k in first["model"] if ".layers." in k} == {"0", "3"}
     assert "decoder.layer_norm.weight" in first["model"]
+    _, evaluated = fairseq("eval_lm", eval_args(trained["data"], str(tmp_path / "zbv" / "checkpoint_last.pt"), 1))
+    assert "1 model part(s) x 2 pipeline stages, loaded at model-parallel size 1" in evaluated
+    assert 0 < eval_loss(evaluated) < 20, evaluated[-3000:]  # every key loaded (fairseq loads strictly)
 
 
 def test_resuming_with_a_stage_file_gone_is_one_line_on_every_rank(runs, trained, tmp_path):

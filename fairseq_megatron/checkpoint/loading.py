@@ -392,11 +392,15 @@ def _part_of_another_layout(path: str, opened: OpenedSave, cfg, vocabulary, rese
     Raises:
         UsageError / CheckpointError: see :func:`part_for_training`.
     """
-    from fairseq_megatron.checkpoint.resharding import config_value, model_config, saved_vocabulary
+    from fairseq_megatron.checkpoint.resharding import (
+        config_value,
+        model_config,
+        read_checkpoint,
+        restaged_optimizer_state,
+        saved_vocabulary,
+    )
 
     size = parallel_state.get_tensor_model_parallel_world_size()
-    from fairseq_megatron.checkpoint.resharding import read_checkpoint
-
     saved_optimizer = bool(read_checkpoint(opened.read_through(opened.every_file[0])).get("last_optimizer_state"))
     restaged = not reset_optimizer and len(opened.files) == size and saved_optimizer  # it follows the weights
     _refuse_another_layout(path, opened, cfg, reset_optimizer or restaged, same_names)
@@ -408,8 +412,6 @@ def _part_of_another_layout(path: str, opened: OpenedSave, cfg, vocabulary, rese
         raise UsageError(f"{path} does not hold a model-parallel transformer LM of fairseq_megatron: "
                          f"it cannot be split into model parts")
     if restaged:
-        from fairseq_megatron.checkpoint.resharding import restaged_optimizer_state
-
         part = opened.files[parallel_state.get_tensor_model_parallel_rank()]
         state["last_optimizer_state"] = restaged_optimizer_state(opened, part, trainable)
     # rows unknown above for files saved by PyTorch < 1.6 (not memory-mapped); a middle stage has no embedding

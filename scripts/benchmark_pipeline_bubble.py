@@ -1,25 +1,41 @@
 #!/usr/bin/env python
-"""The pipeline bubble of the 1F1B schedule, measured on CPU.
+"""The pipeline bubble of each schedule of ``--pipeline-schedule``, measured on CPU.
 
-    python scripts/benchmark_pipeline_bubble.py [--stages 2] [--virtual 1 2] [--micro-batches 2 4 8] [--steps 6]
+    python scripts/benchmark_pipeline_bubble.py [--stages 2] [--micro-batches 2 4 8]
+        [--schedules 1f1b interleaved-1f1b interleaved-zb zbv dualpipev] [--steps 4] [--repeats 2]
 
 For each number of micro-batches ``m`` this times one update of our
 ``MegatronTrainer`` (fairseq's dummy_lm task; a 16 x 256 decoder, micro-batches
-of 8 x 128 tokens, fp32) at one stage in one process and at ``--stages P``
-stages in ``P`` processes (gloo), each with ``V`` model chunks for each
-``--virtual V`` (the interleaved schedule for V > 1), each process on one
-CPU thread, and prints the median update time of each, the speed-up, and
-the share of the P-stage update that is not the one-stage work divided by
-P: ``1 - (t1 / P) / tP``. A perfectly balanced 1F1B schedule loses exactly
-its bubble, ``(P - 1) / (V m)`` of the ideal time (Narayanan et al. 2021,
-sections 2.2.1 and 2.2.2), that is ``(P - 1) / (V m + P - 1)`` of the
-update, printed beside it; the rest is communication (V times the
-point-to-point messages) and the stages' imbalance (the first holds the
-embedding, the last the output projection and the loss). Needs ``P`` free
-cores for the times to mean anything.
+of 8 x 128 tokens, fp32: the same work for every schedule) at one stage in
+one process and, under each schedule, at ``--stages P`` stages in ``P``
+processes (gloo), each process on one CPU thread; the interleaved schedules
+run 2 model chunks per stage (``interleaved-zb`` at ``V = 1`` is ZB-1P; the
+V-shaped ``zbv`` and ``dualpipev`` always run 2). Each configuration runs
+``--repeats`` times in fresh processes; each run's figure is the median of
+its ``--steps`` updates after the first (which builds the schedule).
+
+It prints per schedule the median update time over the runs and their
+spread (lowest to highest), the speed-up, and the idle share of the update:
+the share of the ``P``-stage update that is not the one-stage work divided
+by ``P``, ``1 - (t1 / P) / tP``, beside the share the schedule cannot avoid
+at equal forward, input-backward and weight-backward times
+(:func:`fairseq_megatron.training.pipeline_schedules.idle_share_bound`: 1F1B
+``(P - 1) / (m + P - 1)``, interleaved ``(P - 1) / (V m + P - 1)``, ZB-1P,
+ZB-V and DualPipeV from their papers). A split backward adds work (two
+passes where there was one): a lower idle share at a longer update is no
+win, so the update time stands beside it.
+
+Each rank also times its own stage's work: the forward and backward passes
+of its chunks (``compute``), the waits for its point-to-point messages
+(``p2p wait``, the bubble and the transfers: a rank waits for a message
+that is not yet sent) and the rest of the update (``other``: the
+optimizer, gradient norm and data-parallel steps, fairseq's bookkeeping),
+printed per rank, in ms per update (median of the runs).
+Needs ``P`` free cores for the times to mean anything.
 """
 
 import argparse
+import json
 import logging
 import os
 import statistics
@@ -36,9 +52,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 LAYERS, HIDDEN, FFN, HEADS, ROWS, LENGTH, VOCAB = 16, 256, 1024, 8, 8, 128, 1000
+SCHEDULES = ("1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
+CHUNKED = {"interleaved-1f1b": 2, "interleaved-zb": 2}  # the model chunks per stage of the loop-placed schedules
 
 
-def _trainer(stages: int, micro_batches: int, virtual: int):
+def _trainer(stages: int, micro_batches: int, schedule: str, virtual: int):
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
@@ -49,13 +67,15 @@ def _trainer(stages: int, micro_batches: int, virtual: int):
 
     parallel_state.initialize_model_parallel(1, stages)
     model_parallel_manual_seed(1)
+    layout = ["--pipeline-model-parallel-size", str(stages)]
+    if stages > 1:
+        layout += ["--pipeline-schedule", schedule, "--virtual-pipeline-model-parallel-size", str(virtual)]
     args = options.parse_args_and_arch(options.get_training_parser(), input_args=[
         "--task", "dummy_lm", "--tokens-per-sample", str(LENGTH), "--dict-size", str(VOCAB),
         "--batch-size", str(ROWS), "--arch", "transformer_lm_megatron", "--decoder-layers", str(LAYERS),
         "--decoder-embed-dim", str(HIDDEN), "--decoder-ffn-embed-dim", str(FFN), "--decoder-attention-heads",
         str(HEADS), "--share-decoder-input-output-embed", "--criterion", "vocab_parallel_cross_entropy",
-        "--optimizer", "adam", "--lr", "1e-4", "--update-freq", str(micro_batches), "--pipeline-model-parallel-size",
-        str(stages), "--virtual-pipeline-model-parallel-size", str(virtual), "--cpu", "--seed", "1",
+        "--optimizer", "adam", "--lr", "1e-4", "--update-freq", str(micro_batches), *layout, "--cpu", "--seed", "1",
         "--distributed-world-size", str(stages)])
     cfg = convert_namespace_to_omegaconf(args)
     task = tasks.setup_task(cfg.task)
@@ -65,62 +85,117 @@ def _trainer(stages: int, micro_batches: int, virtual: int):
     return trainer, trainer.get_train_iterator(epoch=1).next_epoch_itr(shuffle=False)
 
 
-def _time_updates(rank: int, stages: int, micro_batches: int, steps: int, virtual: int, init_file: str,
-                  out: str) -> None:
+class _Intervals:
+    """Seconds this rank spent in its chunks' passes and in waits for its
+    point-to-point messages, from torch's pipelining functions wrapped."""
+
+    def __init__(self):
+        from torch.distributed.pipelining import schedules, stage
+
+        self.compute = self.wait = 0.0
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            setattr(stage._PipelineStageBase, name, self._timed(getattr(stage._PipelineStageBase, name), "compute"))
+        schedules._wait_batch_p2p = self._timed(schedules._wait_batch_p2p, "wait")
+
+    def _timed(self, function, what):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                setattr(self, what, getattr(self, what) + time.perf_counter() - start)
+        return timed
+
+    def reset(self):
+        self.compute = self.wait = 0.0
+
+
+def _time_updates(rank: int, stages: int, micro_batches: int, steps: int, schedule: str, virtual: int,
+                  init_file: str, out: str) -> None:
     logging.basicConfig(level=logging.WARNING)  # fairseq's INFO lines, once per process and configuration
     warnings.simplefilter("ignore")  # fairseq's and fairscale's deprecation warnings at import (see pytest.ini)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=stages)
-    trainer, batches = _trainer(stages, micro_batches, virtual)
-    times = []
+    trainer, batches = _trainer(stages, micro_batches, schedule, virtual)
+    intervals = _Intervals() if stages > 1 else None
+    updates = []
     for step in range(steps + 1):  # the first update builds the schedule and infers shapes: not timed
         samples = [next(batches) for _ in range(micro_batches)]
         dist.barrier()
+        if intervals:
+            intervals.reset()
         start = time.perf_counter()
         trainer.train_step(samples)
         dist.barrier()
         if step:
-            times.append(time.perf_counter() - start)
-    if rank == 0:
-        with open(out, "w") as f:
-            f.write(str(statistics.median(times)))
+            seconds = time.perf_counter() - start
+            updates.append((seconds, intervals.compute if intervals else seconds, intervals.wait if intervals else 0.0))
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(updates, f)
     dist.destroy_process_group()
 
 
-def median_update_seconds(stages: int, micro_batches: int, steps: int, virtual: int = 1) -> float:
+def time_run(stages: int, micro_batches: int, steps: int, schedule: str = "1f1b", virtual: int = 1) -> dict:
+    """One run in fresh processes: the median update seconds, and per rank
+    the median seconds of compute and of point-to-point waits per update."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "seconds")
-        mp.spawn(_time_updates, args=(stages, micro_batches, steps, virtual, os.path.join(tmp, "init"), out),
-                 nprocs=stages, join=True)
-        with open(out) as f:
-            return float(f.read())
+        mp.spawn(_time_updates, args=(stages, micro_batches, steps, schedule, virtual, os.path.join(tmp, "init"),
+                                      out), nprocs=stages, join=True)
+        ranks = []
+        for rank in range(stages):
+            with open(f"{out}.{rank}") as f:
+                ranks.append(json.load(f))
+    return {"update": statistics.median(u for u, _, _ in ranks[0]),
+            "compute": [statistics.median(c for _, c, _ in r) for r in ranks],
+            "wait": [statistics.median(w for _, _, w in r) for r in ranks]}
+
+
+def _spread(values) -> str:
+    return f"{min(values) * 1e3:.0f}-{max(values) * 1e3:.0f}"
 
 
 def main(argv=None) -> int:
+    from fairseq_megatron.training.pipeline_schedules import SCHEDULES as KNOWN, idle_share_bound, \
+        micro_batches_needed
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--virtual", type=int, nargs="+", default=[1, 2],
-                   help="model chunks per stage (--virtual-pipeline-model-parallel-size), each value timed")
+    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     p.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--steps", type=int, default=6, help="timed updates per configuration (the median is printed)")
+    p.add_argument("--steps", type=int, default=4, help="timed updates per run (the median is the run's figure)")
+    p.add_argument("--repeats", type=int, default=2, help="runs per configuration, each in fresh processes")
     args = p.parse_args(argv)
-    if args.stages < 2 or args.steps < 1 or any(v < 1 or LAYERS % (args.stages * v) for v in args.virtual):
-        p.error(f"--stages must be at least 2 and --stages x --virtual divide {LAYERS}; --steps at least 1")
-    too_few = [m for m in args.micro_batches if m < args.stages or (max(args.virtual) > 1 and m % args.stages)]
-    if too_few:
-        p.error(f"--micro-batches {too_few[0]}: 1F1B needs at least --stages {args.stages} micro-batches, and the "
-                f"interleaved schedule a multiple of them")
-    print(f"{LAYERS} layers x {HIDDEN} hidden, micro-batch {ROWS} x {LENGTH} tokens, fp32, 1 thread per process")
-    print(f"{'m':>3} {'V':>2} {'1 stage ms':>11} {f'{args.stages} stages ms':>11} {'speed-up':>9} {'idle share':>11} "
-          f"{'bubble':>7}")
+    if args.stages < 2 or args.steps < 1 or args.repeats < 1 or LAYERS % (2 * args.stages):
+        p.error(f"--stages at least 2, with 2 x --stages dividing {LAYERS}; --steps and --repeats at least 1")
     for m in args.micro_batches:
-        one = median_update_seconds(1, m, args.steps)
-        for v in args.virtual:
-            many = median_update_seconds(args.stages, m, args.steps, v)
-            idle = 1 - (one / args.stages) / many
-            bound = (args.stages - 1) / (v * m + args.stages - 1)
-            print(f"{m:>3} {v:>2} {one * 1e3:>11.1f} {many * 1e3:>11.1f} {one / many:>9.2f} {idle:>11.1%} "
-                  f"{bound:>7.1%}")
+        for name in args.schedules:
+            needed = micro_batches_needed(KNOWN[name], args.stages)
+            if m < needed or (name in CHUNKED and m % args.stages):
+                p.error(f"--micro-batches {m}: {name} needs at least {needed} at --stages {args.stages}"
+                        + (", a multiple of the stages" if name in CHUNKED else "") + "; leave it out")
+    print(f"{LAYERS} layers x {HIDDEN} hidden, micro-batch {ROWS} x {LENGTH} tokens, fp32, 1 thread per process, "
+          f"P = {args.stages}, {args.repeats} run(s) of {args.steps} timed updates each; times in ms per update "
+          f"(median of the runs, then lowest-highest)")
+    print(f"{'m':>3} {'schedule':<17}{'V':>2} {'1 stage':>8} {'P stages':>9} {'spread':>11} {'speed-up':>8} "
+          f"{'idle':>6} {'bound':>6}  per rank: compute / p2p wait / other")
+    for m in args.micro_batches:
+        one = [time_run(1, m, args.steps)["update"] for _ in range(args.repeats)]
+        t1 = statistics.median(one)
+        print(f"{m:>3} {'(one stage)':<17}{1:>2} {t1 * 1e3:>8.0f} {'':>9} {_spread(one):>11}")
+        for name in args.schedules:
+            v = CHUNKED.get(name, 2 if KNOWN[name].chunks == 2 else 1)
+            runs = [time_run(args.stages, m, args.steps, name, v) for _ in range(args.repeats)]
+            tp = statistics.median(r["update"] for r in runs)
+            idle = 1 - (t1 / args.stages) / tp
+            bound = idle_share_bound(KNOWN[name], args.stages, v, m)
+            ranks = []
+            for rank in range(args.stages):
+                compute = statistics.median(r["compute"][rank] for r in runs)
+                wait = statistics.median(r["wait"][rank] for r in runs)
+                ranks.append(f"{compute * 1e3:.0f} / {wait * 1e3:.0f} / {(tp - compute - wait) * 1e3:.0f}")
+            print(f"{m:>3} {name:<17}{v:>2} {'':>8} {tp * 1e3:>9.0f} {_spread([r['update'] for r in runs]):>11} "
+                  f"{t1 / tp:>8.2f} {idle:>6.1%} {bound:>6.1%}  " + "; ".join(ranks), flush=True)
     return 0
 
 

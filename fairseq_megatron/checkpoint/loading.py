@@ -23,7 +23,7 @@ functions.
 import logging
 import os
 import time
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch.distributed as dist
 from fairseq import checkpoint_utils
@@ -201,11 +201,13 @@ def check_integrity_on_every_rank(path: str, name: Optional[str] = None) -> None
 
 
 def resharded_state(path: str, opened: OpenedSave, arg_overrides=None, with_ema: bool = False,
-                    virtual: int = 1) -> Optional[dict]:
+                    layout=None) -> Optional[dict]:
     """This rank's part of checkpoint ``path`` (saved at another
     model-parallel size, or in pipeline stages; ``opened``: its files,
     :func:`open_on_every_rank`), built in memory (with pipeline stages in
-    this run, this rank's stage of it, of ``virtual`` model chunks), in the
+    this run, this rank's stage of it: ``layout``, a
+    :class:`~fairseq_megatron.models.pipeline_stage.PipelineStageLayout`,
+    by default one model chunk per stage), in the
     form fairseq's ``load_checkpoint_to_cpu(files[0], arg_overrides)``
     returns (overrides applied, old formats upgraded; the config records
     this size); None for a checkpoint of another architecture. The optimizer
@@ -216,6 +218,7 @@ def resharded_state(path: str, opened: OpenedSave, arg_overrides=None, with_ema:
         resharded_model,
         set_model_parallel_size,
         split_stages,
+        stage_part,
         without_part_specific_state,
     )
 
@@ -238,7 +241,7 @@ def resharded_state(path: str, opened: OpenedSave, arg_overrides=None, with_ema:
     state["extra_state"] = without_part_specific_state(state.get("extra_state"))
     if with_ema and had_ema:
         state["extra_state"]["ema"], _ = resharded_model(path, rank, size, entry="ema", opened=opened)
-    return split_stages(state, stages, virtual)[stage]
+    return split_stages(state, stages)[stage] if layout is None else stage_part(state, layout)
 
 
 def part_for_evaluation(path: str, arg_overrides=None):
@@ -323,7 +326,8 @@ def ema_from_the_weights(state: dict, path: str) -> dict:
     return state
 
 
-def part_for_training(filename: str, suffix: str, cfg, dictionary, reset_optimizer: bool):
+def part_for_training(filename: str, suffix: str, cfg, dictionary, reset_optimizer: bool, layout=None,
+                      trainable: Optional[List[str]] = None):
     """What this rank of fairseq-train loads for the checkpoint fairseq named
     ``filename`` (this rank's part name: the checkpoint's name with
     ``suffix``, ``-model_part-K[-stage-S]``): its part file as opened (under
@@ -333,15 +337,27 @@ def part_for_training(filename: str, suffix: str, cfg, dictionary, reset_optimiz
     :class:`~fairseq_megatron.checkpoint.reading.PreparedCheckpoint`, or
     None where no checkpoint has that name (fairseq starts from scratch).
     ``cfg``: fairseq-train's configuration; ``dictionary``: the task's (its
-    size is checked against the checkpoint's).
+    size is checked against the checkpoint's); ``layout``: this rank's
+    pipeline stage (a :class:`~fairseq_megatron.models.pipeline_stage.PipelineStageLayout`;
+    None at one stage); ``trainable``: the keys of the parameters its
+    optimizer holds, in order.
+
+    A checkpoint of the same model-parallel size in other pipeline stages
+    (any ``P``, chunks ``V`` and placement of the chunks, that is any
+    ``--pipeline-schedule``) resumes with its optimizer state: the weights
+    and each parameter's optimizer state are cut for this stage
+    (:func:`~fairseq_megatron.checkpoint.resharding.restaged_optimizer_state`).
 
     Raises:
-        UsageError: another layout without ``reset_optimizer`` (the message
-            gives the commands that work); another layout in the save dir
-            this run saves into; vocabularies that differ; a checkpoint that
-            is not of our models; a part missing or cut short.
+        UsageError: another model-parallel size without ``reset_optimizer``
+            (the message gives the commands that work); another layout whose
+            files this run would save over, or beside, in the save dir it
+            saves into; vocabularies that differ; a checkpoint that is not of
+            our models; a part missing or cut short.
+        CheckpointError: optimizer state that cannot follow another pipeline
+            layout (saved in shards; several parameter groups).
     """
-    from fairseq_megatron.checkpoint.resharding import config_value, model_config, saved_vocabulary
+    from fairseq_megatron.checkpoint.resharding import saved_vocabulary
 
     path = filename[: -len(suffix + ".pt")] + ".pt"
     size = parallel_state.get_tensor_model_parallel_world_size()
@@ -353,7 +369,8 @@ def part_for_training(filename: str, suffix: str, cfg, dictionary, reset_optimiz
     accept_other = bool(getattr(cfg.model, "accept_other_dictionary", False))
     vocabulary = lambda rows, symbols, checksum: check_vocabulary(  # noqa: E731
         dictionary, cfg.model.dictionary_size, cfg.model.padded_vocab_size, rows, symbols, path, checksum, accept_other)
-    if len(opened.files) == size and opened.stages == stages and filename in opened.every_file:
+    same_names = len(opened.files) == size and opened.stages == stages and filename in opened.every_file
+    if same_names and _holds_this_stage(opened.read_through(filename), layout):
         mine = opened.read_through(filename)
         check_integrity_on_every_rank(mine.source, filename)
         rows, symbols, checksum = saved_vocabulary(mine)
@@ -362,28 +379,71 @@ def part_for_training(filename: str, suffix: str, cfg, dictionary, reset_optimiz
             return PreparedCheckpoint(mine.name, file=mine)
         return PreparedCheckpoint(mine.name, state=ema_from_the_weights(
             checkpoint_utils.load_checkpoint_to_cpu(mine), filename))
-    _refuse_another_layout(path, opened, cfg, reset_optimizer)
+    return _part_of_another_layout(path, opened, cfg, vocabulary, reset_optimizer, same_names, layout, trainable)
+
+
+def _part_of_another_layout(path: str, opened: OpenedSave, cfg, vocabulary, reset_optimizer: bool, same_names: bool,
+                            layout, trainable: Optional[List[str]]) -> PreparedCheckpoint:
+    """:func:`part_for_training` of a checkpoint of another layout
+    (``vocabulary``: checks the saved vocabulary): this rank's part built in
+    memory, at the same model-parallel size with its optimizer state
+    unless ``reset_optimizer``.
+
+    Raises:
+        UsageError / CheckpointError: see :func:`part_for_training`.
+    """
+    from fairseq_megatron.checkpoint.resharding import (
+        config_value,
+        model_config,
+        read_checkpoint,
+        restaged_optimizer_state,
+        saved_vocabulary,
+    )
+
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    saved_optimizer = bool(read_checkpoint(opened.read_through(opened.every_file[0])).get("last_optimizer_state"))
+    restaged = not reset_optimizer and len(opened.files) == size and saved_optimizer  # it follows the weights
+    _refuse_another_layout(path, opened, cfg, reset_optimizer or restaged, same_names)
     first = opened.read_through(opened.every_file[0])
     rows, symbols, checksum = saved_vocabulary(first)
     vocabulary(rows and rows * len(opened.files), symbols, checksum)
-    state = resharded_state(path, opened, with_ema=store_ema,
-                            virtual=int(getattr(cfg.model, "virtual_pipeline_model_parallel_size", 1) or 1))
+    state = resharded_state(path, opened, with_ema=cfg.ema.store_ema, layout=layout)
     if state is None:
         raise UsageError(f"{path} does not hold a model-parallel transformer LM of fairseq_megatron: "
                          f"it cannot be split into model parts")
+    if restaged:
+        part = opened.files[parallel_state.get_tensor_model_parallel_rank()]
+        state["last_optimizer_state"] = restaged_optimizer_state(opened, part, trainable)
     # rows unknown above for files saved by PyTorch < 1.6 (not memory-mapped); a middle stage has no embedding
     embedding = state["model"].get("decoder.embed_tokens.weight")
     if embedding is not None:
         config = model_config(state)
         vocabulary(embedding.size(0) * size, config_value(config, "dictionary_size"),
                    config_value(config, "dictionary_checksum"))
-    return PreparedCheckpoint(first.name, state=ema_from_the_weights(state, path) if store_ema else state)
+    return PreparedCheckpoint(first.name, state=ema_from_the_weights(state, path) if cfg.ema.store_ema else state)
 
 
-def _refuse_another_layout(path: str, opened: OpenedSave, cfg, reset_optimizer: bool) -> None:
+def _holds_this_stage(mine, layout) -> bool:
+    """Whether part file ``mine`` (opened) holds the layers pipeline stage
+    ``layout`` holds (None: one stage): saved at the same stages, chunks and
+    placement of the chunks, by its config."""
+    if layout is None:
+        return True
+    from fairseq_megatron.checkpoint.layout import arguments_of
+    from fairseq_megatron.checkpoint.resharding import model_config, read_checkpoint
+    from fairseq_megatron.training.pipeline_schedules import stage_layout
+
+    saved = stage_layout(arguments_of(model_config(read_checkpoint(mine))), layout.stage)
+    return saved.chunks == layout.chunks
+
+
+def _refuse_another_layout(path: str, opened: OpenedSave, cfg, reset_optimizer: bool, same_names: bool) -> None:
     """A checkpoint of another layout resumes only with its optimizer state
-    afresh (``--reset-optimizer``, as ``--finetune-from-model``), and not
-    into the save dir it came from (the run would save over it).
+    afresh (``--reset-optimizer``, as ``--finetune-from-model``), or cut for
+    this run's pipeline stages (``reset_optimizer`` true too: the caller
+    does it), and not into the save dir it came from where the run would
+    save files of other names beside it (``same_names``: the run's files
+    replace the checkpoint's, stage for stage).
 
     Raises:
         UsageError: either, giving the commands that work; parts or stages
@@ -402,11 +462,20 @@ def _refuse_another_layout(path: str, opened: OpenedSave, cfg, reset_optimizer: 
     from_weights = (f"start a new run from its weights with --save-dir NEW_DIR --restore-file {path} "
                     f"--reset-optimizer" if in_save_dir else "start from its weights with --reset-optimizer "
                     "(as --finetune-from-model)")
+    if not reset_optimizer and len(files) == size:  # another pipeline layout, without optimizer state to cut
+        sharded = bool(read_checkpoint(first).get("optimizer_shards"))
+        raise UsageError(
+            f"{path} was saved in {saved_stages} pipeline stage(s) with its optimizer state in shards "
+            f"(--ddp-backend fully_sharded), which resume only at the stages they were saved at: resume with "
+            f"--pipeline-model-parallel-size {saved_stages} and the chunks it was saved with, or {from_weights}, "
+            f"which splits them in memory" if sharded else
+            f"{path} holds no optimizer state to resume from: resume from a checkpoint that holds it, or "
+            f"{from_weights}, which splits them in memory")
     if not reset_optimizer and (saved_stages > 1 or stages > 1):
         raise UsageError(
             f"{path} was saved at model-parallel size {len(files)} with {saved_stages} pipeline stage(s), this run "
-            f"has size {size} with {stages}: resume with --model-parallel-size {len(files)} "
-            f"--pipeline-model-parallel-size {saved_stages}, or {from_weights}, which splits them in memory"
+            f"has size {size} with {stages}: resume with --model-parallel-size {len(files)} (at any pipeline "
+            f"stages and schedule), or {from_weights}, which splits them in memory"
         )
     if not reset_optimizer:
         raise UsageError(
@@ -416,7 +485,7 @@ def _refuse_another_layout(path: str, opened: OpenedSave, cfg, reset_optimizer: 
             f"{size} --keep-optimizer) and train with --save-dir NEW_DIR, or {from_weights}, which reshards the "
             f"weights alone in memory"
         )
-    if in_save_dir:
+    if in_save_dir and not same_names:
         raise UsageError(f"{path} is in --save-dir {save_dir}, where this run would save checkpoints of "
                          f"model-parallel size {size} under the same names: pass another --save-dir (with "
                          f"--restore-file {path})")

@@ -139,31 +139,85 @@ def _set_stages(config, stages: int, virtual: int) -> None:
 
 def split_stages(state: dict, stages: int, virtual: int = 1) -> List[dict]:
     """One tensor part's checkpoint ``state`` (all layers) as the
-    checkpoints of its ``stages`` pipeline stages (of ``virtual`` model chunks)
-    (:meth:`~fairseq_megatron.models.pipeline_stage.PipelineStageLayout.holds`),
-    each recording ``stages`` in its config; the EMA weights are split the
-    same way. ``[state]`` for one stage.
+    checkpoints of its ``stages`` pipeline stages (of ``virtual`` model chunks,
+    in the loop placement: :func:`stage_part`), each recording ``stages`` in
+    its config. ``[state]`` for one stage.
 
     Raises:
         UsageError: ``stages`` does not divide the decoder layers.
     """
     if stages == 1:
         return [state]
-    out = []
-    for layout in stage_layouts(model_config(state), stages, virtual):
-        part = {k: v for k, v in state.items() if k not in ("model", "args", "cfg")}
-        part.update({k: copy.deepcopy(state[k]) for k in ("args", "cfg") if k in state})
-        part["extra_state"] = dict(state.get("extra_state") or {})
-        part["model"] = OrderedDict((k, v) for k, v in state["model"].items() if layout.holds(k))
-        for entry in EMA_STATE_DICTS:
-            weights = (part.get("extra_state") or {}).get(entry)
-            if weights is not None:
-                part["extra_state"][entry] = OrderedDict((k, v) for k, v in weights.items() if layout.holds(k))
-        for c in (part.get("args"), (part.get("cfg") or {}).get("model")):
-            if c is not None:
-                _set_stages(c, stages, virtual)
-        out.append(part)
-    return out
+    return [stage_part(state, layout) for layout in stage_layouts(model_config(state), stages, virtual)]
+
+
+def stage_part(state: dict, layout) -> dict:
+    """One tensor part's checkpoint ``state`` (all layers) cut to what the
+    pipeline stage ``layout`` (a :class:`~fairseq_megatron.models.pipeline_stage.PipelineStageLayout`,
+    any placement of its chunks) holds
+    (:meth:`~fairseq_megatron.models.pipeline_stage.PipelineStageLayout.holds`),
+    its config recording the stages and chunks; the EMA weights are cut the
+    same way."""
+    part = {k: v for k, v in state.items() if k not in ("model", "args", "cfg")}
+    part.update({k: copy.deepcopy(state[k]) for k in ("args", "cfg") if k in state})
+    part["extra_state"] = dict(state.get("extra_state") or {})
+    part["model"] = OrderedDict((k, v) for k, v in state["model"].items() if layout.holds(k))
+    for entry in EMA_STATE_DICTS:
+        weights = (part.get("extra_state") or {}).get(entry)
+        if weights is not None:
+            part["extra_state"][entry] = OrderedDict((k, v) for k, v in weights.items() if layout.holds(k))
+    for c in (part.get("args"), (part.get("cfg") or {}).get("model")):
+        if c is not None:
+            _set_stages(c, layout.stages, layout.virtual)
+    return part
+
+
+def restaged_optimizer_state(opened: OpenedSave, part: str, keys: List[str]) -> dict:
+    """The optimizer state (fairseq's ``last_optimizer_state``) of tensor part
+    ``part`` of the checkpoint ``opened`` (in pipeline stages of any
+    placement, or in one) for a pipeline stage of another layout whose
+    optimizer holds the parameters ``keys`` (state-dict keys, in its order):
+    each saved stage's state by parameter
+    (:func:`~fairseq_megatron.checkpoint.layout.optimizer_state_per_parameter`),
+    the stages' joined (the tied embedding's two copies, whose updates are
+    the same, taken from the first stage), then numbered in the order of
+    ``keys``; the optimizer's options (``param_groups``) and fairseq's loss
+    scale are stage 0's. A flat state (fairseq's ``FP16Optimizer``) is
+    rebuilt flat over ``keys``. Memory: the stages' files memory-mapped and
+    this stage's state.
+
+    Raises:
+        CheckpointError: a stage without optimizer state (saved in shards
+            under ``--ddp-backend fully_sharded``), optimizer state of other
+            parameters than the stage's model, more than one parameter group,
+            a key of ``keys`` that no stage holds.
+    """
+    per_key, rest, flat = {}, None, False
+    for f in opened.stage_files(part):
+        state = _load(opened.source(f), name=f)
+        saved = state.get("last_optimizer_state")
+        if not saved or "param_groups" not in saved:
+            raise CheckpointError(f"{f} holds no optimizer state (saved in shards under --ddp-backend "
+                                  f"fully_sharded): resume at the layout it was saved at, or with --reset-optimizer")
+        if len(saved["param_groups"]) != 1:
+            raise CheckpointError(f"{f}: optimizer state of {len(saved['param_groups'])} parameter groups, which "
+                                  f"are not split over other pipeline stages: resume with --reset-optimizer")
+        found, flat = optimizer_state_per_parameter(
+            saved, state["model"], parameter_keys(list(state["model"]), aliases_of(state)), f)
+        for key, values in found.items():
+            per_key.setdefault(key, values)
+        rest = rest if rest is not None else {k: copy.deepcopy(v) for k, v in saved.items() if k != "state"}
+    missing = [k for k in keys if k not in per_key]
+    if missing:
+        raise CheckpointError(f"{opened.path}: no pipeline stage holds the optimizer state of {missing[0]}")
+    group = rest["param_groups"][0]
+    if flat:
+        entry = {name: (torch.cat([per_key[k][name].reshape(-1) for k in keys]) if is_per_element(value) else value)
+                 for name, value in per_key[keys[0]].items()}
+        rest["param_groups"] = [dict(group, params=[0])]
+        return {"state": {0: entry} if entry else {}, **rest}
+    rest["param_groups"] = [dict(group, params=list(range(len(keys))))]
+    return {"state": {i: per_key[k] for i, k in enumerate(keys) if per_key[k]}, **rest}
 
 
 def check_divisible(config, padded_vocab_size: int, size: int) -> None:

@@ -37,7 +37,8 @@ What it does differently from fairseq's trainer, and why:
   in the group where torch takes a global one: "Global rank 0 is not part of
   group" at model and data parallelism).
 - Pipeline stages (``--pipeline-model-parallel-size``): an update's
-  samples go through torch's 1F1B schedule as micro-batches
+  samples go through torch's schedule of ``--pipeline-schedule`` (1F1B by
+  default) as micro-batches
   (:mod:`fairseq_megatron.training.pipeline_schedule`): for the length of
   fairseq's ``train_step`` and ``valid_step`` the task's per-sample steps
   are the schedule's; the data-parallel group and size are this package's
@@ -75,6 +76,7 @@ from fairseq_megatron.fairseq_integration.prefetch import stop_prefetch_threads_
 from fairseq_megatron.fairseq_integration.step_logging import StepLogging
 from fairseq_megatron.fairseq_integration.trainer_checkpoints import TrainerCheckpoints
 from fairseq_megatron.models.model_parallel_transformer_lm import is_our_model
+from fairseq_megatron.training.pipeline_schedules import schedule_of
 from fairseq_megatron.modules.padding import mark_padding
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.parallel.grad_norm import model_parallel_norm_aggregator
@@ -269,6 +271,6 @@ def _pipeline_schedule(cfg, task, model, parallelized: Parallelized) -> Pipeline
         raise UsageError(f"--pipeline-model-parallel-size needs --batch-size, or --max-tokens of at least "
                          f"--tokens-per-sample {length}: they set the micro-batch shape")
     return PipelineSchedule(model, parallelized.stage, parallelized.chunk_modules, cfg.optimization.update_freq[0],
-                            rows, length, task.source_dictionary.pad())
+                            rows, length, task.source_dictionary.pad(), schedule_of(cfg.model))
 
 

@@ -151,7 +151,8 @@ class TrainerCheckpoints:
         prepared = None
         if filename.endswith(self.checkpoint_suffix + ".pt"):
             prepared = part_for_training(filename, self.checkpoint_suffix, self.cfg, self.task.source_dictionary,
-                                         reset_optimizer)
+                                         reset_optimizer, self.pipeline.stage if self.pipeline is not None else None,
+                                         list(self._trainable_parameters()))
         if prepared is not None and not reset_optimizer:
             prepared = self._optimizer_state_placed(prepared, filename)
         try:

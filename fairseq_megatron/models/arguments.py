@@ -67,6 +67,14 @@ MODEL_ARGUMENTS = (
              "schedule: the pipeline bubble shrinks by V for V times the stages' point-to-point "
              "messages. Needs the layers divisible by P x V and --update-freq divisible by P; "
              "checkpoints keep the global layer numbers, so they load at any P and V")),
+    ("--pipeline-schedule", dict(
+        metavar="NAME",
+        help="the schedule of the pipeline stages' micro-batches, one of torch's: 1f1b (the default; "
+             "interleaved-1f1b with --virtual-pipeline-model-parallel-size above 1), interleaved-1f1b, "
+             "interleaved-zb (zero bubble: each backward split into its input and weight passes, the weight "
+             "passes filling the bubble; V chunks per stage, ZB-1P at V = 1), zbv and dualpipev (zero bubble "
+             "over 2 chunks per stage placed in a V: stage s holds chunks s and 2P-1-s). dualpipev needs "
+             "--update-freq of at least 2P, the others P. Checkpoints do not depend on it")),
     ("--context-parallel-size", dict(
         type=int, metavar="C", default=1,
         help="split each sequence over C ranks along time (Megatron-LM's context parallelism; rank i "

@@ -4,11 +4,15 @@ The decoder's ``L`` layers are split evenly over ``P`` stages: stage ``s``
 holds layers ``s L / P`` to ``(s + 1) L / P - 1``, the first stage also the
 token and position embeddings, the last the final layer norm and the output
 projection (Megatron-LM ``megatron/core/models/gpt/gpt_model.py``:
-``pre_process`` and ``post_process``). With tied input and output
-embeddings (``--share-decoder-input-output-embed``, as Megatron-11b) the last
-stage keeps its own copy of the embedding weight for the projection; the
-two copies start equal and their gradients are summed over the embedding
-group every update (:mod:`fairseq_megatron.training.pipeline_schedule`).
+``pre_process`` and ``post_process``). With model chunks the layers are
+split over ``P x V`` virtual stages, which the schedule places
+(:mod:`fairseq_megatron.training.pipeline_schedules`; in the V placement of the
+zero-bubble schedules stage 0 holds the first chunk and the last). With
+tied input and output embeddings (``--share-decoder-input-output-embed``,
+as Megatron-11b) a last stage other than the first keeps its own copy of
+the embedding weight for the projection; the two copies start equal and
+their gradients are summed over the embedding group every update
+(:mod:`fairseq_megatron.training.pipeline_schedule`).
 
 A stage's modules and state-dict keys are those of the whole model, layer
 numbers included (``decoder.layers.5.`` on the stage that holds layer 5), so
@@ -18,17 +22,17 @@ whole model splits by :meth:`PipelineStageLayout.holds`.
 
 import re
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple
 
 from fairseq.utils import safe_getattr
 
 from fairseq_megatron.errors import UsageError
-from fairseq_megatron.parallel import parallel_state
 
 _LAYER_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.")
 _FIRST_STAGE_PREFIXES = ("decoder.embed_positions.", "decoder.layernorm_embedding.")
 _LAST_STAGE_PREFIXES = ("decoder.layer_norm.", "decoder.output_projection.")
 EMBEDDING_KEY = "decoder.embed_tokens.weight"
+LOOP, V_SHAPE = "loop", "v"  # the placements of model chunks on stages (PipelineStageLayout)
 
 
 def pipeline_stages(args) -> int:
@@ -37,16 +41,11 @@ def pipeline_stages(args) -> int:
     return 1 if stages is None else int(stages)
 
 
-def virtual_stages(args) -> int:
-    """``--virtual-pipeline-model-parallel-size`` of ``args`` (1 where not given)."""
-    virtual = safe_getattr(args, "virtual_pipeline_model_parallel_size", None)
-    return 1 if virtual is None else int(virtual)
-
-
 class Chunk(NamedTuple):
-    """One virtual stage (model chunk) of the interleaved schedule: its index
-    among the ``P x V`` virtual stages, its layers, and whether it embeds the
-    tokens (the first) or computes the logits (the last)."""
+    """One virtual stage (model chunk): its index among the ``P x V``
+    virtual stages (the order a micro-batch passes them), its layers, and
+    whether it embeds the tokens (the first) or computes the logits (the
+    last)."""
 
     index: int
     layers: range
@@ -60,12 +59,16 @@ class PipelineStageLayout:
     stage holding ``virtual`` model chunks (Narayanan et al. 2021, section
     2.2.2, the interleaved schedule; Megatron-Core's
     ``--virtual-pipeline-model-parallel-size``): the ``P x V`` virtual stages
-    hold ``L / (P x V)`` consecutive layers each, and stage ``s`` holds virtual
-    stages ``s, s + P, ...`` (torch's loop placement).
+    hold ``L / (P x V)`` consecutive layers each, placed as the schedule
+    places them (:mod:`fairseq_megatron.training.pipeline_schedules`):
+    ``placement`` ``"loop"``, stage ``s`` holds virtual stages ``s, s + P, ...``
+    (torch's loop placement); ``"v"`` (two chunks), stage ``s`` holds
+    ``s`` and ``2P - 1 - s``, so stage 0 holds the first chunk and the last.
 
     Raises (on construction):
-        UsageError: ``stages x virtual`` does not divide ``layers``, or
-            ``stage`` is not in ``0 .. stages - 1``.
+        UsageError: ``stages x virtual`` does not divide ``layers``, a V
+            placement of other than 2 chunks, or ``stage`` is not in
+            ``0 .. stages - 1``.
     """
 
     stage: int
@@ -73,28 +76,28 @@ class PipelineStageLayout:
     layers: int
     tied_embeddings: bool
     virtual: int = 1
+    placement: str = LOOP
 
     def __post_init__(self):
         if self.stages < 1 or self.virtual < 1 or self.layers % (self.stages * self.virtual):
             flags = f"--pipeline-model-parallel-size {self.stages}"
-            if self.virtual > 1:
+            if self.placement == V_SHAPE:
+                flags += f" x {self.virtual} model chunks per stage (--pipeline-schedule zbv and dualpipev)"
+            elif self.virtual > 1:
                 flags += f" x --virtual-pipeline-model-parallel-size {self.virtual}"
             raise UsageError(f"--decoder-layers {self.layers} is not divisible by {flags} (each stage holds the same "
                              f"number of layers)")
         if not 0 <= self.stage < self.stages:
             raise UsageError(f"pipeline stage {self.stage} of {self.stages} does not exist")
+        if self.placement not in (LOOP, V_SHAPE) or (self.placement == V_SHAPE and self.virtual != 2):
+            raise UsageError(f"a {self.placement!r} placement of {self.virtual} model chunks per stage does not exist")
 
-    @classmethod
-    def of(cls, args, stage: Optional[int] = None) -> "PipelineStageLayout":
-        """The layout of model config ``args`` (``--pipeline-model-parallel-size``,
-        ``--virtual-pipeline-model-parallel-size``, ``--decoder-layers``,
-        ``--share-decoder-input-output-embed``) at ``stage``, by default this
-        rank's stage in its pipeline group."""
-        stages = pipeline_stages(args)
-        if stage is None:
-            stage = parallel_state.get_pipeline_model_parallel_rank() if stages > 1 else 0
-        return cls(stage, stages, int(args.decoder_layers),
-                   bool(safe_getattr(args, "share_decoder_input_output_embed", False)), virtual_stages(args))
+    def chunk_indices(self, stage: int) -> List[int]:
+        """The virtual stages ``stage`` holds, in the order of its chunks."""
+        total = self.stages * self.virtual
+        if self.placement == V_SHAPE:
+            return [stage, total - 1 - stage]
+        return list(range(stage, total, self.stages))
 
     @property
     def chunks(self) -> List[Chunk]:
@@ -102,7 +105,13 @@ class PipelineStageLayout:
         total = self.stages * self.virtual
         per_chunk = self.layers // total
         return [Chunk(i, range(i * per_chunk, (i + 1) * per_chunk), i == 0, i == total - 1)
-                for i in range(self.stage, total, self.stages)]
+                for i in self.chunk_indices(self.stage)]
+
+    @property
+    def last_stage(self) -> int:
+        """The stage that holds the last chunk, and computes the loss: ``P - 1``,
+        or 0 in the V placement."""
+        return 0 if self.placement == V_SHAPE else self.stages - 1
 
     def holds_layer(self, index: int) -> bool:
         """Whether decoder layer ``index`` is on this stage."""
@@ -114,7 +123,8 @@ class PipelineStageLayout:
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.stages - 1
+        """Whether this stage holds the last chunk (the final layer norm, the output projection, the loss)."""
+        return self.stage == self.last_stage
 
     @property
     def held_layers(self) -> List[int]:
@@ -131,7 +141,14 @@ class PipelineStageLayout:
     def holds_embedding_copy(self) -> bool:
         """Whether this stage's embedding weight is the last stage's copy of
         the first stage's (counted once, in the gradient norm, on the first)."""
-        return self.stages > 1 and self.is_last and self.tied_embeddings
+        return self.tied_copies and self.is_last
+
+    @property
+    def tied_copies(self) -> bool:
+        """Whether the tied embedding has two copies, on the first stage and
+        on the last, whose gradients are summed every update (not where one
+        stage holds both ends: one stage, or the V placement)."""
+        return self.tied_embeddings and self.last_stage != 0
 
     def holds(self, key: str) -> bool:
         """Whether state-dict key ``key`` of the whole model belongs to this

@@ -39,7 +39,9 @@ import torch.nn as nn
 from fairseq.utils import safe_getattr
 
 from fairseq_megatron.errors import UsageError
+from fairseq_megatron.models.pipeline_stage import pipeline_stages
 from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
+from fairseq_megatron.training.pipeline_schedules import schedule_of
 
 
 def mixed_precision_policy(fp16: bool, fp32_reduce_scatter: bool):
@@ -141,7 +143,9 @@ def check_fully_sharded(distributed, common, ema, model, checkpoint=None) -> Non
     rank); ``--zero-sharding os`` would shard the optimizer state a second
     time; ``--cuda-graphs`` would replay addresses of parameters FSDP2
     gathers anew each step; fairseq's EMA keeps a whole model copy and its
-    ``--amp`` optimizer does not use FSDP2's mixed-precision policy; a save,
+    ``--amp`` optimizer does not use FSDP2's mixed-precision policy; the
+    pipeline schedules that split the backward add the weight pass's
+    gradients where FSDP2 does not reduce them; a save,
     which every rank takes part in (each writes its optimizer shard, one
     commit of all), is written synchronously to a local directory.
 
@@ -173,3 +177,9 @@ def check_fully_sharded(distributed, common, ema, model, checkpoint=None) -> Non
         if given:
             raise UsageError(f"{flag} does not work with --ddp-backend fully_sharded ({reason}); drop it, or use "
                              f"--ddp-backend pytorch_ddp")
+    schedule = schedule_of(model)
+    if pipeline_stages(model) > 1 and schedule.splits_backward:
+        raise UsageError(f"--pipeline-schedule {schedule.name} does not work with --ddp-backend fully_sharded: torch's "
+                         f"weight pass of the split backward (torch.distributed.pipelining's stage_backward_weight) "
+                         f"adds its gradients outside FSDP2's reduce-scatter, and training departs from one model "
+                         f"copy's; use --ddp-backend legacy_ddp, or --pipeline-schedule 1f1b or interleaved-1f1b")

@@ -14,8 +14,9 @@ from fairseq.utils import safe_getattr
 
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.models.options import check_blocks_and_loss
-from fairseq_megatron.models.pipeline_stage import PipelineStageLayout, pipeline_stages, virtual_stages
+from fairseq_megatron.models.pipeline_stage import pipeline_stages
 from fairseq_megatron.parallel.layout import check_size
+from fairseq_megatron.training.pipeline_schedules import check_schedule, schedule_of
 
 
 def check_training_precision(common, fp32_parameters: bool = False) -> None:
@@ -82,39 +83,32 @@ def check_training_options(args) -> None:
 def check_pipeline_options(args) -> None:
     """Refuse a pipeline that cannot be built or scheduled, from the options alone.
 
-    The decoder layers are split evenly over the stages (and their model
-    chunks, ``--virtual-pipeline-model-parallel-size``); one update's
-    micro-batches (``--update-freq``) go through torch's 1F1B schedule,
-    which needs at least one per stage (interleaved: a multiple of the
-    stages, Megatron-Core's rule); every micro-batch must have the
+    The schedule (``--pipeline-schedule``) must be able to run the stages'
+    chunks and the update's micro-batches
+    (:func:`~fairseq_megatron.training.pipeline_schedules.check_schedule`);
+    every micro-batch must have the
     shape the stages' buffers were made for, which only fairseq's
     ``--sample-break-mode none`` gives (full blocks of
     ``--tokens-per-sample``); the last stage computes the loss on its
     vocabulary shard, so the criterion is ``vocab_parallel_cross_entropy``.
-    The training options are checked only where ``args`` holds them (a
-    command line of fairseq-train; a checkpoint's config loaded for
+    The training options are checked only where ``args`` holds
+    them (a command line of fairseq-train; a checkpoint's config loaded for
     evaluation has one stage).
 
     Raises:
         UsageError: the first refusal, naming the option to change.
     """
-    stages, virtual = pipeline_stages(args), virtual_stages(args)
+    stages = pipeline_stages(args)
     check_size("pipeline", stages)
-    if virtual < 1 or (virtual > 1 and stages == 1):
-        raise UsageError(f"--virtual-pipeline-model-parallel-size {virtual}: the number of model chunks per stage "
-                         f"is at least 1, and above 1 only with --pipeline-model-parallel-size above 1")
+    given_virtual = safe_getattr(args, "virtual_pipeline_model_parallel_size", None)
+    given_virtual = 1 if given_virtual is None else int(given_virtual)
+    if given_virtual < 1 or (given_virtual > 1 and stages == 1):
+        raise UsageError(f"--virtual-pipeline-model-parallel-size {given_virtual}: the number of model chunks per "
+                         f"stage is at least 1, and above 1 only with --pipeline-model-parallel-size above 1")
     if stages == 1:
+        schedule_of(args)  # refuses an unknown name; any other runs as one stage (a checkpoint's, loaded at P = 1)
         return
-    PipelineStageLayout(0, stages, int(args.decoder_layers), False, virtual)  # refuses an uneven split
-    micro_batches = safe_getattr(args, "update_freq", None)
-    if micro_batches is not None and max(micro_batches) < stages:
-        raise UsageError(f"--update-freq {max(micro_batches)} is below --pipeline-model-parallel-size {stages}: "
-                         f"the 1F1B schedule runs the update's --update-freq micro-batches and needs at least "
-                         f"one per stage")
-    if micro_batches is not None and virtual > 1 and max(micro_batches) % stages:
-        raise UsageError(f"--update-freq {max(micro_batches)} is not divisible by --pipeline-model-parallel-size "
-                         f"{stages}: the interleaved schedule (--virtual-pipeline-model-parallel-size {virtual}) "
-                         f"runs the micro-batches in rounds of one per stage")
+    check_schedule(args)
     check_blocks_and_loss(args, f"--pipeline-model-parallel-size {stages}", "the stages exchange micro-batches "
                           "of one shape", "the last stage computes the loss on its vocabulary shard")
     unsupported = [f"--{flag.replace('_', '-')}" for flag in ("amp", "cuda_graphs")

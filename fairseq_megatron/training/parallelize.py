@@ -47,6 +47,7 @@ from fairseq_megatron.training.data_parallel import DataParallel, data_parallel_
 from fairseq_megatron.training.float8 import apply_float8
 from fairseq_megatron.training.options import check_training_options
 from fairseq_megatron.training.pipeline_schedule import ChunkModule
+from fairseq_megatron.training.pipeline_schedules import stage_layout
 from fairseq_megatron.training.pipeline_split import split_for_stage
 
 
@@ -82,7 +83,7 @@ def parallelize(model: nn.Module, groups: ProcessGroups, cfg) -> Parallelized:
     """
     args = cfg.model
     check_training_options(args)
-    stage = PipelineStageLayout.of(args, groups.pipeline.rank)
+    stage = stage_layout(args, groups.pipeline.rank)
     split_for_stage(model, stage)
     model.materialize()
     decoder = model.decoder

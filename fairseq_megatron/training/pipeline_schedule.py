@@ -1,5 +1,5 @@
 """fairseq's training and validation steps for one pipeline stage, run by
-torch's 1F1B schedule (``torch.distributed.pipelining``).
+torch's pipeline schedules (``torch.distributed.pipelining``).
 
 fairseq's trainer accumulates an update's ``--update-freq`` samples one
 after another: each goes forward and backward through the whole model. In a
@@ -7,9 +7,13 @@ pipeline each rank holds one stage (:mod:`fairseq_megatron.models.pipeline_stage
 and the update's samples are its micro-batches: PipeDream-Flush's 1F1B
 schedule (Narayanan et al. 2021, section 2.2.1) keeps at most ``P``
 micro-batches in flight per stage, runs one forward and one backward in
-turn once the pipeline is full, and flushes at the end of the update. The
-schedule is torch's own (``Schedule1F1B``); this module adapts fairseq's
-batches and bookkeeping to it:
+turn once the pipeline is full, and flushes at the end of the update; the
+interleaved and zero-bubble schedules of ``--pipeline-schedule``
+(:mod:`fairseq_megatron.training.pipeline_schedules`) run model chunks and
+split backwards. The schedules are torch's own (``Schedule1F1B``,
+``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``,
+``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``); this module adapts
+fairseq's batches and bookkeeping to them:
 
 - :func:`stack_micro_batches`: the update's samples become one batch of
   ``m`` micro-batches of one shape ``(B, T)``, which the schedule splits
@@ -30,7 +34,8 @@ batches and bookkeeping to it:
 - Tied embeddings (``--share-decoder-input-output-embed``): the gradients of
   the first stage's embedding and of the last stage's copy are summed over
   the embedding group after each backward, so the two copies take the same
-  update (Megatron-LM ``_allreduce_word_embedding_grads``).
+  update (Megatron-LM ``_allreduce_word_embedding_grads``); where stage 0
+  holds both ends (the V placement) the one tensor takes both gradients.
 
 With ``--fp16`` fairseq's optimizer scales the loss in its ``backward``;
 here the loss function scales each micro-batch's loss by the optimizer's
@@ -39,6 +44,7 @@ fairseq's fp16 wrappers record that gradients are new.
 """
 
 import contextlib
+import functools
 from typing import List, Optional
 
 import torch
@@ -47,7 +53,8 @@ import torch.nn as nn
 from fairseq import utils
 
 from fairseq_megatron.errors import UsageError
-from fairseq_megatron.models.pipeline_stage import Chunk, PipelineStageLayout
+from fairseq_megatron.models.pipeline_stage import V_SHAPE, Chunk, PipelineStageLayout
+from fairseq_megatron.training.pipeline_schedules import SCHEDULES, Schedule
 from fairseq_megatron.parallel import parallel_state
 
 def _rows(sample) -> int:
@@ -138,30 +145,55 @@ class ChunkModule(nn.Module):
         return x.contiguous()  # sent to the next chunk as it is laid out
 
 
+@functools.lru_cache(maxsize=None)
+def _evaluable_stage_class():
+    """torch's ``PipelineStage``, except that without a backward (``eval``)
+    it takes no input gradient from the next chunk on its own rank and hands
+    none on: torch's V-shaped schedules (``ScheduleZBVZeroBubble``,
+    ``ScheduleDualPipeV``) still pass them between a rank's two chunks in
+    ``eval``, which torch's stage refuses ("can't steal_bwd_input if this
+    stage doesn't have backward"; ``torch/distributed/pipelining/schedules.py``,
+    ``_PipelineScheduleRuntime``)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class EvaluablePipelineStage(PipelineStage):
+        def get_local_bwd_output(self, mb_index):
+            return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+        def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index):
+            if self.has_backward:
+                super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    return EvaluablePipelineStage
+
+
 class PipelineSchedule:
     """One pipeline stage of a ``model_parallel_transformer_lm`` and torch's
-    1F1B schedule over it, with fairseq's ``train_step``/``valid_step``
+    schedule over it, with fairseq's ``train_step``/``valid_step``
     (see the module docstring).
 
     ``model``: this rank's stage (unwrapped; split for ``stage``);
     ``chunk_modules``: the :class:`ChunkModule` of each of its model chunks,
     as :func:`~fairseq_megatron.training.parallelize.parallelize` made them;
     ``micro_batches``: ``m``, the update's ``--update-freq``; ``rows`` x
-    ``length``: the micro-batch shape ``(B, T)``; ``pad``: the padding index. With model chunks
-    (``stage.virtual`` > 1) the schedule is torch's ``ScheduleInterleaved1F1B``
-    (Narayanan et al. 2021, section 2.2.2). The options it needs (at least
-    one micro-batch per stage, full blocks) are checked before it is built
+    ``length``: the micro-batch shape ``(B, T)``; ``pad``: the padding
+    index; ``schedule``: the ``--pipeline-schedule``'s (by default 1F1B,
+    or with model chunks, ``stage.virtual`` > 1, torch's
+    ``ScheduleInterleaved1F1B``: Narayanan et al. 2021, section 2.2.2). The
+    options it needs (micro-batches enough for the schedule, full blocks)
+    are checked before it is built
     (:func:`~fairseq_megatron.training.options.check_pipeline_options`).
     """
 
     def __init__(self, model, stage: PipelineStageLayout, chunk_modules, micro_batches: int, rows: int, length: int,
-                 pad: int):
+                 pad: int, schedule: Optional[Schedule] = None):
         self.model = model
         self.stage = stage
         self.chunk_modules = list(chunk_modules)  # what torch's PipelineStage runs, one per model chunk
         self.micro_batches, self.rows, self.length, self.pad = micro_batches, rows, length, pad
+        self.schedule = schedule or SCHEDULES["interleaved-1f1b" if stage.virtual > 1 else "1f1b"]
         self.group = parallel_state.get_pipeline_model_parallel_group()
-        self.last_rank = parallel_state.get_pipeline_model_parallel_ranks()[-1]
+        self.last_rank = parallel_state.get_pipeline_model_parallel_ranks()[stage.last_stage]
         self._schedule = None
         self._loss_fn = None  # what the schedule's loss function calls, set per step
 
@@ -170,22 +202,21 @@ class PipelineSchedule:
         return stack_micro_batches(samples, self.micro_batches, self.rows, self.length, self.pad)
 
     def _built(self, device: torch.device):
-        """torch's ``Schedule1F1B`` (``ScheduleInterleaved1F1B`` with model
-        chunks) over this stage, made at the first step (its module is
-        imported here: its import is slow, and every process of every fairseq
-        tool would otherwise pay for it)."""
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+        """torch's schedule class of :attr:`schedule` over this stage's
+        chunks, made at the first step (its module is imported here: its
+        import is slow, and every process of every fairseq tool would
+        otherwise pay for it)."""
+        from torch.distributed import pipelining
 
         if self._schedule is None:
             virtual_stages = self.stage.stages * self.stage.virtual
-            stages = [PipelineStage(module, module.chunk.index, virtual_stages, device, group=self.group)
+            stage_class = _evaluable_stage_class() if self.schedule.placement == V_SHAPE else pipelining.PipelineStage
+            stages = [stage_class(module, module.chunk.index, virtual_stages, device, group=self.group)
                       for module in self.chunk_modules]
             loss_fn = lambda out, tgt: self._loss_fn(out, tgt)  # noqa: E731 (set per step)
-            if len(stages) == 1:
-                self._schedule = Schedule1F1B(stages[0], self.micro_batches, loss_fn=loss_fn, scale_grads=False)
-            else:
-                self._schedule = ScheduleInterleaved1F1B(stages, self.micro_batches, loss_fn=loss_fn,
-                                                         scale_grads=False)
+            schedule_class = getattr(pipelining.schedules, self.schedule.torch_class)
+            self._schedule = schedule_class(stages[0] if self.schedule.name == "1f1b" else stages,
+                                            self.micro_batches, loss_fn=loss_fn, scale_grads=False)
         return self._schedule
 
     def _run(self, sample: dict, criterion, scale, train: bool) -> torch.Tensor:
@@ -280,8 +311,8 @@ class PipelineSchedule:
     def _sum_embedding_grads(self) -> None:
         """Sum the gradients of the tied embedding's two copies (first and
         last stage: the parameters tagged ``shared_embedding``) over the
-        embedding group."""
-        if self.stage.stages == 1:
+        embedding group; nothing where one stage holds both ends."""
+        if not self.stage.tied_copies:
             return
         for weight in self.model.parameters():
             if getattr(weight, "shared_embedding", False):
@@ -295,3 +326,4 @@ class PipelineSchedule:
         # sharded over data-parallel ranks (a DTensor): both stages hold the same shard of it
         dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad,
                         group=parallel_state.get_embedding_group())
+

@@ -23,11 +23,11 @@ from fairseq_megatron.checkpoint import safe_loading
 from fairseq_megatron.checkpoint.hf_import import import_from_transformers
 from fairseq_megatron.checkpoint.names import part_path, stage_path
 from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
-from fairseq_megatron.models.pipeline_stage import PipelineStageLayout
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.parallel.mappings import gather_from_tensor_model_parallel_region
 from fairseq_megatron.training.pipeline_split import split_for_stage
 from fairseq_megatron.training.pipeline_schedule import ChunkModule
+from fairseq_megatron.training.pipeline_schedules import stage_layout
 from tests.helpers import LMTask, run_distributed
 from tests.support import hf_models
 
@@ -55,7 +55,7 @@ def _log_probs(path: str, tokens: torch.Tensor, tensor: int, stages: int):
     args = copy.deepcopy(state["cfg"]["model"])
     dictionary = Dictionary.load(os.path.join(os.path.dirname(path), "dict.txt"))
     model = ModelParallelTransformerLanguageModel.build_model(args, LMTask(dictionary))
-    stage = PipelineStageLayout.of(args)
+    stage = stage_layout(args)
     split_for_stage(model, stage)
     model.materialize()
     model.load_state_dict(state["model"], strict=True)

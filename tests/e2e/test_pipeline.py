@@ -31,15 +31,18 @@ pytestmark = pytest.mark.slow
 
 
 def _train(data, save_dir, stages, max_update, *extra):
-    return train_and_validate(data, save_dir, max_update, stages, "--update-freq", "2",
+    return train_and_validate(data, save_dir, max_update, stages, "--update-freq", "2", "--decoder-layers", "4",
                               "--pipeline-model-parallel-size", str(stages), *extra)
 
 
 @pytest.fixture(scope="module")
 def runs(trained, tmp_path_factory):
-    """Two stages for 4 updates, then resumed to 6; one stage for 6 updates."""
+    """Two stages for 4 updates, then resumed to 6 with two model chunks per
+    stage (the interleaved schedule: each stage's layers and their optimizer
+    state cut anew); one stage for 6 updates."""
     root = tmp_path_factory.mktemp("pipeline")
-    logs = {2: [_train(trained["data"], root / "pp2", 2, max_update) for max_update in (4, 6)],
+    logs = {2: [_train(trained["data"], root / "pp2", 2, 4),
+                _train(trained["data"], root / "pp2", 2, 6, "--virtual-pipeline-model-parallel-size", "2")],
             1: _train(trained["data"], root / "pp1", 1, 6)}
     return root, logs
 
@@ -67,8 +70,8 @@ def test_stage_files_hold_their_stages_and_commit(runs):
                      "checkpoint_last-model_part-0-stage-1.pt", "checkpoint_last.pt.manifest.json"]
     first, last = (torch.load(root / "pp2" / f"checkpoint_last-model_part-0-stage-{s}.pt", weights_only=False)
                    for s in (0, 1))
-    assert {k.split(".")[2] for k in first["model"] if ".layers." in k} == {"0"}
-    assert {k.split(".")[2] for k in last["model"] if ".layers." in k} == {"1"}
+    assert {k.split(".")[2] for k in first["model"] if ".layers." in k} == {"0", "2"}  # saved at 2 chunks per stage
+    assert {k.split(".")[2] for k in last["model"] if ".layers." in k} == {"1", "3"}
     assert torch.equal(first["model"]["decoder.embed_tokens.weight"], last["model"]["decoder.embed_tokens.weight"])
     assert first["extra_state"]["save"] == last["extra_state"]["save"]  # one save, one token
 
@@ -104,6 +107,26 @@ def test_fine_tuning_splits_a_one_stage_checkpoint_into_stages(runs, trained, tm
     assert train_and_valid_losses(log)[0][1][0] < train_and_valid_losses(logs[1])[0][1][0] - 0.5
     assert sorted(os.listdir(tmp_path / "tuned"))[:2] == ["checkpoint_best-model_part-0-stage-0.pt",
                                                          "checkpoint_best-model_part-0-stage-1.pt"]
+
+
+def test_fine_tuning_a_checkpoint_of_two_chunks_per_stage_under_zbv(runs, trained, tmp_path):
+    """--finetune-from-model of the P 2 x V 2 checkpoint under
+    --pipeline-schedule zbv (stage 0 holding layers 0 and 3, stage 1 layers
+    1 and 2): training starts from those weights, its first loss below the
+    first loss of the runs that started from the initial weights, and saves
+    the V placement's stages."""
+    root, logs = runs
+    log = _train(trained["data"], tmp_path / "zbv", 2, 1, "--pipeline-schedule", "zbv", "--update-freq", "4",
+                 "--finetune-from-model", str(root / "pp2" / "checkpoint_last.pt"))
+    assert "1 model part(s) x 2 pipeline stages, loaded at model-parallel size 1 x 2 pipeline stages" in log, \
+        log[-3000:]
+    assert train_and_valid_losses(log)[0][1][0] < train_and_valid_losses(logs[1])[0][1][0] - 0.5
+    first = torch.load(tmp_path / "zbv" / "checkpoint_last-model_part-0-stage-0.pt", weights_only=False)
+    assert {k.split(".")[2] for k in first["model"] if ".layers." in k} == {"0", "3"}
+    assert "decoder.layer_norm.weight" in first["model"]
+    _, evaluated = fairseq("eval_lm", eval_args(trained["data"], str(tmp_path / "zbv" / "checkpoint_last.pt"), 1))
+    assert "1 model part(s) x 2 pipeline stages, loaded at model-parallel size 1" in evaluated
+    assert 0 < eval_loss(evaluated) < 20, evaluated[-3000:]  # every key loaded (fairseq loads strictly)
 
 
 def test_resuming_with_a_stage_file_gone_is_one_line_on_every_rank(runs, trained, tmp_path):

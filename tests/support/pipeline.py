@@ -47,10 +47,17 @@ def epoch(updates: int, micro_batches: int, data_parallel_rank: int = 0) -> list
     return out
 
 
-def build(tensor: int, stages: int, micro_batches: int, layers: int, extra=(), context: int = 1):
+def epoch_part(total: int, first: int, updates: int, micro_batches: int, data_parallel_rank: int = 0) -> list:
+    """Updates ``first`` to ``first + updates - 1`` (from 0) of :func:`epoch`
+    of ``total`` updates: where a run resumed from a checkpoint saved after
+    update ``first`` goes on."""
+    return epoch(total, micro_batches, data_parallel_rank)[first: first + updates]
+
+
+def build(tensor: int, stages: int, micro_batches: int, layers: int, extra=(), context: int = 1, tied: bool = True):
     """Our trainer for a ``layers`` x 32 ``transformer_lm_megatron_11b``
-    (tied embeddings, no dropout) on fairseq's dummy_lm task, with this
-    world's groups made for ``tensor`` x ``context`` x ``stages``."""
+    (tied embeddings unless not ``tied``, no dropout) on fairseq's dummy_lm
+    task, with this world's groups made for ``tensor`` x ``context`` x ``stages``."""
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
@@ -64,7 +71,7 @@ def build(tensor: int, stages: int, micro_batches: int, layers: int, extra=(), c
         "--task", "dummy_lm", "--tokens-per-sample", str(LENGTH), "--dict-size", str(VOCAB - 4),
         "--batch-size", str(ROWS), "--arch", "transformer_lm_megatron_11b", "--decoder-layers", str(layers),
         "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4",
-        "--share-decoder-input-output-embed", "--dropout", "0", "--attention-dropout", "0",
+        *(["--share-decoder-input-output-embed"] if tied else []), "--dropout", "0", "--attention-dropout", "0",
         "--criterion", "vocab_parallel_cross_entropy", "--optimizer", "adam", "--lr", "1e-3", "--clip-norm", "0.5",
         "--seed", "3", "--update-freq", str(micro_batches), "--model-parallel-size", str(tensor),
         "--pipeline-model-parallel-size", str(stages), "--context-parallel-size", str(context),
@@ -91,17 +98,31 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def train(rank, world_size, tensor, stages, micro_batches, layers, updates, extra=(), context=1, batches=epoch):
+def train(rank, world_size, tensor, stages, micro_batches, layers, updates, extra=(), context=1, batches=epoch,
+          tied=True, checkpoint=None, validate=False):
     """Train ``updates`` updates of ``batches`` (:func:`epoch`: this rank's
     data-parallel shard). Returns per update the loss per token and the
     gradient norm (as the trainer computed them), this rank's coordinates,
     its context-parallel rank and size and the length of the first held
     layer's input in the last pass, its parameter names, the tied
     embedding's digest on the stages that hold it, and at the end its
-    parameters and their last gradients."""
+    parameters and their last gradients.
+
+    ``checkpoint`` (a dict, optional): ``restore``, a checkpoint the trainer
+    loads first (as fairseq-train's ``--restore-file``; with
+    ``reset_optimizer`` its optimizer state afresh, as ``--reset-optimizer``
+    and ``--finetune-from-model``); ``save_to``, where it saves one after
+    update ``save_after`` (every rank its part, as fairseq-train does), then
+    trains on. ``validate``: the result holds ``valid_loss``, the loss of
+    one validation step on a sample of its own after the last update (the
+    schedule's forward alone, ``eval``)."""
     torch.set_num_threads(1)  # up to 4 ranks share the machine's cores; the model is tiny
-    trainer = build(tensor, stages, micro_batches, layers, extra, context)
-    trainer.get_model().run_deferred_initialisation()
+    checkpoint = checkpoint or {}
+    trainer = build(tensor, stages, micro_batches, layers, extra, context, tied)
+    if "restore" in checkpoint:
+        trainer.load_checkpoint(checkpoint["restore"], reset_optimizer=checkpoint.get("reset_optimizer", False))
+    else:
+        trainer.get_model().run_deferred_initialisation()
     norms, losses, embedding_digests = [], [], []
     clip = trainer.clip_grad_norm
 
@@ -121,16 +142,25 @@ def train(rank, world_size, tensor, stages, micro_batches, layers, updates, extr
     decoder = trainer.get_model().decoder
     layer_input = []
     next(iter(decoder.held_layers())).register_forward_pre_hook(lambda _, args: layer_input.append(args[0].size(0)))
-    for samples in batches(updates, micro_batches, parallel_state.get_data_parallel_rank()):
+    for done, samples in enumerate(batches(updates, micro_batches, parallel_state.get_data_parallel_rank()), 1):
         trainer.train_step(samples)
+        if done == checkpoint.get("save_after"):
+            trainer.consolidate_optimizer()  # as fairseq's save_checkpoint does first
+            trainer.save_checkpoint(checkpoint["save_to"], {})
+            dist.barrier()  # every part written before any rank goes on (fairseq's save ends in one)
         if decoder.embed_tokens is not None:
             embedding_digests.append(_digest(decoder.embed_tokens.weight))
+    trainer._reduce_and_log_stats = reduce
+    valid_loss = float(trainer.valid_step(sample(7777))["loss"]) if validate else None
     model = trainer.get_model()
     from fairseq_megatron.training.memory import fairseq_optimizer_state_bytes, gradient_bytes, parameter_bytes
 
     return {
         "memory": (parameter_bytes(model), gradient_bytes(model), fairseq_optimizer_state_bytes(trainer.optimizer)),
         "sharded": [n for n, p in model.named_parameters() if hasattr(p, "device_mesh")],
+        "valid_loss": valid_loss,
+        "schedule": type(trainer.pipeline._schedule).__name__ if trainer.pipeline is not None else None,
+        "optimizer_steps": sorted({int(v["step"]) for v in trainer.optimizer.optimizer.state.values() if "step" in v}),
         "coordinates": (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank(),
                         parallel_state.get_pipeline_model_parallel_rank()),
         "context": (parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_world_size()),

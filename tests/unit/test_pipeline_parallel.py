@@ -23,6 +23,7 @@ from fairseq_megatron.training.data_parallel import check_pipeline_data_parallel
 from fairseq_megatron.models.pipeline_stage import PipelineStageLayout
 from fairseq_megatron.parallel.parallel_state import ParallelLayout
 from fairseq_megatron.training.pipeline_schedule import stack_micro_batches
+from fairseq_megatron.training.pipeline_schedules import SCHEDULES, idle_share_bound, schedule_of, stage_layout
 from tests.support.checkpoint_resharding import save_checkpoint
 from tests.support.pipeline import PAD, sample
 
@@ -88,6 +89,45 @@ def test_stage_holds_its_layers_and_its_end_of_the_model():
     assert not untied_last.holds("decoder.embed_tokens.weight") and not untied_last.holds_embedding_copy
 
 
+def test_schedules_place_their_chunks():
+    """Loop placement (1F1B, the interleaved ones): stage s holds chunks s,
+    s + P; V placement (zbv, dualpipev): s and 2P - 1 - s, stage 0 both
+    ends, so the tied embedding has one copy and the loss is on stage 0."""
+    def layout(schedule, stage, virtual=None):
+        args = Namespace(pipeline_model_parallel_size=2, decoder_layers=8, share_decoder_input_output_embed=True,
+                         pipeline_schedule=schedule, virtual_pipeline_model_parallel_size=virtual)
+        return stage_layout(args, stage)
+
+    assert [layout("1f1b", s).held_layers for s in (0, 1)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [layout("interleaved-zb", s, 2).held_layers for s in (0, 1)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert layout("interleaved-zb", 0).virtual == 1  # ZB-1P
+    for name in ("zbv", "dualpipev"):
+        first, second = layout(name, 0), layout(name, 1)
+        assert [c.index for c in first.chunks] == [0, 3] and [c.index for c in second.chunks] == [1, 2]
+        assert first.held_layers == [0, 1, 6, 7] and second.held_layers == [2, 3, 4, 5]
+        assert first.is_first and first.is_last and not second.is_first and not second.is_last
+        assert first.holds_embedding and not second.holds_embedding
+        assert not first.tied_copies and not first.holds_embedding_copy
+        assert first.holds("decoder.output_projection.weight") and not second.holds("decoder.layer_norm.weight")
+    assert layout("1f1b", 1).tied_copies and layout("1f1b", 1).holds_embedding_copy
+    # the default: interleaved 1F1B with chunks, 1F1B without
+    assert schedule_of(Namespace(virtual_pipeline_model_parallel_size=2)).name == "interleaved-1f1b"
+    assert schedule_of(Namespace()).name == "1f1b"
+
+
+def test_idle_share_bounds_of_the_schedules():
+    """At F = B = W, P 2, m 8: 1F1B (P - 1) / (m + P - 1) and interleaved
+    (P - 1) / (V m + P - 1) (Narayanan et al. 2021), ZB-1P a third of 1F1B's
+    bubble (Qi et al. 2024: (P - 1) / (3 m + P - 1)), ZB-V none, DualPipeV
+    (P - 1) F over chunks of half a stage; measured times change them."""
+    bound = lambda name, v=1, **times: idle_share_bound(SCHEDULES[name], 2, v, 8, **times)  # noqa: E731
+    assert bound("1f1b") == pytest.approx(1 / 9) and bound("interleaved-1f1b", 2) == pytest.approx(1 / 17)
+    assert bound("interleaved-zb") == pytest.approx(1 / 25) and bound("interleaved-zb", 2) == pytest.approx(0.5 / 24.5)
+    assert bound("zbv", 2) == 0.0 and bound("dualpipev", 2) == pytest.approx(1 / 25)
+    assert bound("zbv", 2, backward_weight=0.5) == pytest.approx(0.5 / (8 * 2.5 + 0.5))  # W short: ZB-V idles
+    assert idle_share_bound(SCHEDULES["1f1b"], 1, 1, 8) == 0.0
+
+
 def test_stage_refuses_stages_that_do_not_divide_the_layers():
     with pytest.raises(UsageError, match="--decoder-layers 5 is not divisible by --pipeline-model-parallel-size 2"):
         PipelineStageLayout(0, 2, 5, tied_embeddings=True)
@@ -139,6 +179,19 @@ def _args(**overrides):
     (dict(criterion="cross_entropy"), "--criterion cross_entropy with --pipeline-model-parallel-size 2"),
     (dict(amp=True), "--amp: not supported with --pipeline-model-parallel-size 2"),
     (dict(pipeline_model_parallel_size=0), "--pipeline-model-parallel-size 0: the number of pipeline stages"),
+    (dict(pipeline_schedule="gpipe"), "--pipeline-schedule gpipe: no such schedule"),
+    (dict(pipeline_schedule="zbv", virtual_pipeline_model_parallel_size=3),
+     "--virtual-pipeline-model-parallel-size 3 with --pipeline-schedule zbv: that schedule gives each stage 2"),
+    (dict(pipeline_schedule="zbv", decoder_layers=6),
+     r"--decoder-layers 6 is not divisible by --pipeline-model-parallel-size 2 x 2 model chunks per stage"),
+    (dict(pipeline_schedule="interleaved-zb", virtual_pipeline_model_parallel_size=2, decoder_layers=6),
+     "--decoder-layers 6 is not divisible by --pipeline-model-parallel-size 2 x --virtual-pipeline-model-parallel"),
+    (dict(pipeline_schedule="dualpipev", update_freq=[3]),
+     r"--update-freq 3 is below 4 \(2 x --pipeline-model-parallel-size 2\): the dualpipev schedule"),
+    (dict(pipeline_schedule="interleaved-zb", virtual_pipeline_model_parallel_size=2, update_freq=[3]),
+     "--update-freq 3 is not divisible by --pipeline-model-parallel-size 2"),
+    (dict(pipeline_schedule="zbv", compile_layers=True), "--compile-layers with --pipeline-schedule zbv"),
+    (dict(pipeline_model_parallel_size=1, pipeline_schedule="zb"), "--pipeline-schedule zb: no such schedule"),
 ])
 def test_pipeline_options_refused(overrides, message):
     with pytest.raises(UsageError, match=message):
@@ -150,6 +203,35 @@ def test_pipeline_options_accepted():
     check_pipeline_options(_args(pipeline_model_parallel_size=1, decoder_layers=3, update_freq=[1]))
     # a checkpoint's config loaded for evaluation: no training options
     check_pipeline_options(Namespace(pipeline_model_parallel_size=2, decoder_layers=4))
+    for name in SCHEDULES:  # each at P 2, m 4, V 2 where it takes chunks (V 1 given is V 2's default under zbv)
+        check_pipeline_options(_args(pipeline_schedule=name, update_freq=[4],
+                                     virtual_pipeline_model_parallel_size=1 if name in ("1f1b", "zbv") else 2))
+    # a schedule at one stage runs as one stage: a zbv checkpoint's config loaded at P = 1
+    check_pipeline_options(_args(pipeline_model_parallel_size=1, pipeline_schedule="zbv", update_freq=[1]))
+
+
+def test_fully_sharded_refuses_the_schedules_that_split_the_backward():
+    """torch's weight pass adds its gradients outside FSDP2's reduce-scatter
+    (seen: 6 updates at P 2 x D 2 under interleaved-zb left one model copy's
+    losses by 1.3%); 1F1B trains as one copy
+    (tests/distributed/test_fully_sharded.py), and so did interleaved 1F1B
+    at 2 chunks per stage when tried."""
+    from types import SimpleNamespace
+
+    from fairseq_megatron.training.fully_sharded import check_fully_sharded
+
+    distributed = SimpleNamespace(ddp_backend="fully_sharded", cpu_offload=False, use_sharded_state=False,
+                                  zero_sharding="none")
+    common, ema = SimpleNamespace(amp=False), SimpleNamespace(store_ema=False)
+    for name in SCHEDULES:
+        model = Namespace(pipeline_model_parallel_size=2, pipeline_schedule=name)
+        if SCHEDULES[name].splits_backward:
+            with pytest.raises(UsageError, match=f"--pipeline-schedule {name} does not work with --ddp-backend "
+                                                 f"fully_sharded: torch's weight pass"):
+                check_fully_sharded(distributed, common, ema, model)
+        else:
+            check_fully_sharded(distributed, common, ema, model)
+    check_fully_sharded(distributed, common, ema, Namespace(pipeline_model_parallel_size=1, pipeline_schedule="zbv"))
 
 
 def test_data_parallel_backend_of_a_pipeline():

@@ -34,7 +34,7 @@ demo: install
 test: install
 	$(PY) -m pytest -q -rs -n 2 --dist worksteal --durations=25
 
-# The in-process and quick distributed tests: about half a minute.
+# The in-process and quick distributed tests: a few minutes.
 test-fast: install
 	$(PY) -m pytest -q -n 2 -m "(unit or distributed) and not slow"
 

@@ -83,7 +83,11 @@ class FairseqMegatronLM(TemplateLM):
                                                     model_parallel_size, pipeline_model_parallel_size,
                                                     context_parallel_size, batch_size, **unknown)
         self.batch_size = int(batch_size)
-        self.tokenizer = fairseq_gpt2_tokenizer(encoder_json, vocab_bpe, Dictionary.load(os.path.join(data, "dict.txt")))
+        dictionary = os.path.join(data, "dict.txt")
+        self.tokenizer = fairseq_gpt2_tokenizer(
+            encoder_json, vocab_bpe, Dictionary.load(dictionary), name=f"the dictionary {dictionary}",
+            advice="give model argument data=DIR, the directory of the dict.txt the model was trained with "
+                   "(default: the checkpoint's), and the GPT-2 BPE files of that dictionary")
         hub.init_distributed_from_env()
         parallel_state.initialize_model_parallel(tensor, stages)
         self.model = model_copy.load(path, data, DTYPES[dtype], device)

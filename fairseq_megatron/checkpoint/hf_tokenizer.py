@@ -61,8 +61,14 @@ def read_gpt2_files(encoder_json: str, vocab_bpe: str) -> Tuple[Dict[str, int], 
     return encoder, merges
 
 
-def fairseq_ids(encoder: Dict[str, int], merges: List[Tuple[str, str]], dictionary) -> Dict[str, int]:
-    """``{piece: fairseq id}`` for every GPT-2 piece and fairseq's special symbols.
+EXPORT_ADVICE = "export without --encoder-json/--vocab-bpe, or use a dict.txt that lists every GPT-2 id"
+
+
+def fairseq_ids(encoder: Dict[str, int], merges: List[Tuple[str, str]], dictionary, name: str = "--dict",
+                advice: str = EXPORT_ADVICE) -> Dict[str, int]:
+    """``{piece: fairseq id}`` for every GPT-2 piece and fairseq's special
+    symbols; ``name`` and ``advice``: how the refusals name the dictionary
+    and what they advise (the export's flags by default).
 
     Raises:
         UsageError: ``dictionary`` lacks a GPT-2 id, or a merge names a piece
@@ -71,7 +77,7 @@ def fairseq_ids(encoder: Dict[str, int], merges: List[Tuple[str, str]], dictiona
     unk = dictionary.unk()
     vocab = {piece: dictionary.index(str(gpt2_id)) for piece, gpt2_id in encoder.items()}
     if all(i == unk for i in vocab.values()):
-        raise UsageError("--dict holds none of the GPT-2 ids of --encoder-json: not a GPT-2 BPE dictionary")
+        raise UsageError(f"{name} holds none of the GPT-2 ids of the encoder: not a GPT-2 BPE dictionary; {advice}")
     unknown = sorted({piece for pair in merges for piece in pair} - vocab.keys())
     if unknown:
         raise UsageError(f"--vocab-bpe merges pieces that --encoder-json lacks, e.g. {unknown[0]!r}")
@@ -79,18 +85,18 @@ def fairseq_ids(encoder: Dict[str, int], merges: List[Tuple[str, str]], dictiona
     if missing:
         gpt2_id, piece = missing[0]
         raise UsageError(
-            f"--dict lacks {len(missing)} of the {len(encoder)} GPT-2 ids (e.g. {gpt2_id}, {piece!r}): fairseq reads "
-            f"them all as <unk>, which a tokenizers BPE cannot reproduce; export without "
-            f"--encoder-json/--vocab-bpe, or use a dict.txt that lists every GPT-2 id"
+            f"{name} lacks {len(missing)} of the {len(encoder)} GPT-2 ids (e.g. {gpt2_id}, {piece!r}): fairseq reads "
+            f"them all as <unk>, which a tokenizers BPE cannot reproduce; {advice}"
         )
     for index, symbol in enumerate(SPECIAL_SYMBOLS):
         if dictionary.index(symbol) != index:
-            raise UsageError(f"--dict: {symbol} is not id {index}, as fairseq's dictionaries have it")
+            raise UsageError(f"{name}: {symbol} is not id {index}, as fairseq's dictionaries have it")
         vocab[symbol] = index
     return vocab
 
 
-def fairseq_gpt2_tokenizer(encoder_json: str, vocab_bpe: str, dictionary):
+def fairseq_gpt2_tokenizer(encoder_json: str, vocab_bpe: str, dictionary, name: str = "--dict",
+                           advice: str = EXPORT_ADVICE):
     """A ``transformers`` fast tokenizer giving, for a line, ``[2] + ids`` where
     ``ids`` are what fairseq's GPT-2 encoder and ``dictionary`` make of it
     (``examples/megatron_11b/bpe_encode.py`` then ``fairseq-preprocess``);
@@ -104,7 +110,7 @@ def fairseq_gpt2_tokenizer(encoder_json: str, vocab_bpe: str, dictionary):
     from transformers import PreTrainedTokenizerFast
 
     encoder, merges = read_gpt2_files(encoder_json, vocab_bpe)
-    vocab = fairseq_ids(encoder, merges, dictionary)
+    vocab = fairseq_ids(encoder, merges, dictionary, name, advice)
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     # GPT-2's pre-tokenizer regex and byte map, no space added before a line
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

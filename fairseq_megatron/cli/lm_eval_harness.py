@@ -62,6 +62,9 @@ def main(argv=None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: lm-eval writes its results only at the end, so nothing was written
+        print("error: interrupted; no results written", file=sys.stderr)
+        return 130
     return 0
 
 

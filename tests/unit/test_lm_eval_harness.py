@@ -109,6 +109,10 @@ def test_bad_input_is_one_line(model, capsys, tmp_path):
     from fairseq_megatron.lm_eval_harness import FairseqMegatronLM
 
     files = dict(encoder_json=model["encoder_json"], vocab_bpe=model["vocab_bpe"])
+    other = tmp_path / "other"  # another corpus's dictionary: the first 100 rows of the model's
+    other.mkdir()
+    lines = open(os.path.join(os.path.dirname(model["size1"]), "dict.txt")).readlines()
+    (other / "dict.txt").write_text("".join(lines[:100]))
     lm_eval_requests.write_tasks(str(tmp_path))
 
     def refused(*argv):
@@ -133,6 +137,8 @@ def test_bad_input_is_one_line(model, capsys, tmp_path):
             (dict(path=model["size1"], batch_size="auto", **files), "sets no batch size automatically"),
             (dict(path=model["size1"], dtype="float64", **files), "dtype=float64: one of"),
             (dict(path=model["size1"], model_parallel_size=2, **files), "needs 2 processes, one per model part"),
+            (dict(path=model["size1"], data=str(other), **files),
+             f"the dictionary {other / 'dict.txt'} lacks "),
     ):
         with pytest.raises((ValueError, FileNotFoundError), match=re.escape(said)):
             FairseqMegatronLM(**args)
@@ -145,3 +151,21 @@ def test_a_task_that_samples_is_one_line(lm):
 
     with pytest.raises(UsageError, match="generates greedily; this task asks for sampling"):
         lm.generate_until([Instance("generate_until", {}, ("Hello", {"do_sample": True, "temperature": 0.7}), 0)])
+
+
+def test_ctrl_c_is_one_line_and_exit_130(model, capsys, tmp_path, monkeypatch):
+    """Ctrl-C during the evaluation (here: raised where lm-eval runs it) is
+    one line, exit status 130, nothing written (it printed a traceback)."""
+    from lm_eval._cli.harness import HarnessCLI
+
+    from fairseq_megatron.cli import lm_eval_harness
+
+    def interrupted(self, args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(HarnessCLI, "execute", interrupted)
+    args = f"path={model['size1']},encoder_json={model['encoder_json']},vocab_bpe={model['vocab_bpe']}"
+    out = tmp_path / "results"
+    assert lm_eval_harness.main(["--tasks", "local_mc", "--model_args", args, "--output_path", str(out)]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: interrupted; no results written"
+    assert not out.exists()

@@ -32,6 +32,9 @@ carry it instead:
   say "defer your draws", and fairseq-train builds the model through any
   task (fairseq's own too), with no argument that could say "the trainer
   fills the weights";
+- ``fairseq_integration.train._WRITES_NOTHING``: set while fairseq-train's
+  ``main`` runs one of our models under ``--no-save``, for fairseq's probe
+  of ``--save-dir``, which is handed the directory alone;
 - ``checkpoint.reading._prepared``: the checkpoints prepared in memory
   (resharded, or read once) under the names fairseq's loaders are handed,
   which take a file name alone;

@@ -27,11 +27,6 @@ carry it instead:
   size alone, and the patient group of fairseq-interactive) and the RNG
   tracker (:mod:`fairseq_megatron.parallel.rng_tracker`): Megatron's
   process-wide API, which fairseq imports as ``mpu``;
-- ``modules.sharding._deferred`` and ``_may_be_loaded``: the layers'
-  constructors, called by fairseq's decoder, take no argument that could
-  say "defer your draws", and fairseq-train builds the model through any
-  task (fairseq's own too), with no argument that could say "the trainer
-  fills the weights";
 - ``fairseq_integration.train._WRITES_NOTHING``: set while fairseq-train's
   ``main`` runs one of our models under ``--no-save``, for fairseq's probe
   of ``--save-dir``, which is handed the directory alone;

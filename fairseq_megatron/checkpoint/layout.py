@@ -100,8 +100,9 @@ def model_on_meta(config, padded_vocab_size: int) -> nn.Module:
         _Task.source_dictionary.add_symbol(f"madeupword{len(_Task.source_dictionary):06d}")
     generator = torch.get_rng_state()  # fairseq's learned positions draw at construction
     try:
-        with sharding.initialisation_deferred():
-            return ModelParallelTransformerLanguageModel._build(args, _Task(), RankGroup())
+        # the draws queued and never run: the weights stay on the meta device
+        return ModelParallelTransformerLanguageModel._build(args, _Task(), RankGroup(),
+                                                            sharding.DeferredInitialisation())
     finally:
         torch.set_rng_state(generator)
 

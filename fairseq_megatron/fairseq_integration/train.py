@@ -53,12 +53,14 @@ def _cli():
 def main(cfg, **kwargs):
     """fairseq-train's ``main``, after the checks above for our architectures."""
     from fairseq_megatron.errors import check_directory_can_be_made
-    from fairseq_megatron.models.model_parallel_transformer_lm import is_model_parallel_arch
+    from fairseq_megatron.models.model_parallel_transformer_lm import (
+        is_model_parallel_arch,
+        leave_initial_weights_to_the_trainer,
+    )
     from fairseq_megatron.training.data_parallel import data_parallel_class
     from fairseq_megatron.training.float8 import check_fp8_environment
     from fairseq_megatron.training.options import check_training_options, check_training_precision
     from fairseq_megatron.fairseq_integration.save_dir import check_writable, one_run_at_a_time
-    from fairseq_megatron.modules import sharding
     from fairseq_megatron.parallel import parallel_state
 
     run = original(_cli(), "main")
@@ -78,11 +80,13 @@ def main(cfg, **kwargs):
     data_parallel.check(cfg, layout.pipeline, layout.data, layout.context)
     check_training_precision(cfg.common, fp32_parameters=data_parallel.keeps_fp32_parameters)
     check_fp8_environment(cfg.model, cfg.common.cpu)
+    # fairseq builds the model before it looks for a checkpoint: MegatronTrainer draws the weights after
+    # parallelizing it, where no checkpoint fills them
+    leave_initial_weights_to_the_trainer(cfg.model)
     if cfg.checkpoint.no_save:  # reads --save-dir (to resume) and writes nothing: no lock, no probe, no directory
         token = _WRITES_NOTHING.set(True)
         try:
-            with sharding.checkpoint_may_fill_weights():
-                return run(cfg, **kwargs)
+            return run(cfg, **kwargs)
         finally:
             _WRITES_NOTHING.reset(token)
     check_writable(cfg.checkpoint.save_dir)
@@ -90,8 +94,7 @@ def main(cfg, **kwargs):
     master = distributed_utils.is_master(cfg.distributed_training)
     made = directories_missing(cfg.checkpoint.save_dir) if master else []
     try:
-        # fairseq builds the model before it looks for a checkpoint: its draws wait (MegatronTrainer runs them)
-        with one_run_at_a_time(cfg.checkpoint.save_dir, master, made), sharding.checkpoint_may_fill_weights():
+        with one_run_at_a_time(cfg.checkpoint.save_dir, master, made):
             return run(cfg, **kwargs)
     except BaseException:
         remove_while_empty(made)

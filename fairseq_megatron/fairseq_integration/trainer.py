@@ -75,7 +75,7 @@ from fairseq_megatron.fairseq_integration.data_parallel_groups import DataParall
 from fairseq_megatron.fairseq_integration.prefetch import stop_prefetch_threads_at_exit
 from fairseq_megatron.fairseq_integration.step_logging import StepLogging
 from fairseq_megatron.fairseq_integration.trainer_checkpoints import TrainerCheckpoints
-from fairseq_megatron.models.model_parallel_transformer_lm import is_our_model
+from fairseq_megatron.models.model_parallel_transformer_lm import is_our_model, leave_initial_weights_to_the_trainer
 from fairseq_megatron.training.pipeline_schedules import schedule_of
 from fairseq_megatron.modules.padding import mark_padding
 from fairseq_megatron.parallel import parallel_state
@@ -157,6 +157,7 @@ class MegatronTrainer(TrainerCheckpoints, StepLogging, DataParallelGroups, Train
     """
 
     def __init__(self, cfg, task, model, criterion, quantizer=None):
+        leave_initial_weights_to_the_trainer(cfg.model, False)  # this trainer now draws them (load_checkpoint)
         groups = parallel_state.get_process_groups()  # this rank's layout, built once at launch
         self.throughput = Throughput.of(model, groups.tensor.size, groups.layout.world_size, cfg)  # model still whole
         self.parallelized = parallelize(model, groups, cfg)

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from fairseq.models.transformer import TransformerConfig, TransformerDecoder
+from fairseq.modules import LearnedPositionalEmbedding, PositionalEmbedding
 from fairseq.utils import safe_getattr
 
 from fairseq_megatron.modules import (
@@ -68,12 +69,17 @@ class ModelParallelTransformerDecoder(KeepsParameterAttributes, TransformerDecod
     """How the context-parallel ranks split a sequence
     (:class:`~fairseq_megatron.parallel.context_parallel.ContextSplit`), or None."""
 
-    def __init__(self, args, dictionary, embed_tokens, tensor_parallel=parallel_state.DEFAULT_GROUP):
+    def __init__(self, args, dictionary, embed_tokens, tensor_parallel=parallel_state.DEFAULT_GROUP,
+                 initialisation: Optional[sharding.DeferredInitialisation] = None):
         self.tensor_parallel = parallel_state.resolve_tensor_parallel(tensor_parallel)
         self.sequence_parallel = bool(safe_getattr(args, "sequence_parallel", False))
         # every layer's output (fairseq's inner_states); activation offload turns this off
         self.keep_inner_states = True
+        self._initialisation = initialisation  # for the build_* methods fairseq's constructor calls
+        queued_before = len(initialisation) if initialisation is not None else 0
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=True)
+        del self._initialisation
+        _queue_learned_positions(self.embed_positions, initialisation, queued_before)
         if self.share_input_output_embed:
             self.embed_tokens.set_parameter_attributes("weight", shared_embedding=True)
         self.tag_parameters()  # fairseq's layer norms and positions: replicated
@@ -92,18 +98,13 @@ class ModelParallelTransformerDecoder(KeepsParameterAttributes, TransformerDecod
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         if not isinstance(cfg, TransformerConfig):
             cfg = TransformerConfig.from_namespace(cfg)
-        return ModelParallelTransformerDecoderLayer(cfg, group=self.tensor_parallel)
+        return ModelParallelTransformerDecoderLayer(cfg, group=self.tensor_parallel,
+                                                    initialisation=self._initialisation)
 
     def build_output_projection(self, cfg, dictionary, embed_tokens):
-        if self.share_input_output_embed:
-            self.output_projection = tied_output_projection(embed_tokens)
-        else:
-            dim = self.output_embed_dim
-            self.output_projection = ColumnParallelLinear(
-                dim, len(dictionary), bias=False,
-                init_method=lambda w: nn.init.normal_(w, mean=0.0, std=dim ** -0.5),
-                group=self.tensor_parallel,
-            )
+        self.output_projection = tied_output_projection(embed_tokens, self._initialisation) \
+            if self.share_input_output_embed else \
+            output_projection(self.output_embed_dim, len(dictionary), self.tensor_parallel, self._initialisation)
 
     # ------------------------------------------------------------ the forward
 
@@ -298,7 +299,8 @@ class ModelParallelTransformerDecoder(KeepsParameterAttributes, TransformerDecod
         return result
 
 
-def tied_output_projection(embed_tokens: nn.Module) -> nn.Linear:
+def tied_output_projection(embed_tokens: nn.Module,
+                           initialisation: Optional[sharding.DeferredInitialisation] = None) -> nn.Linear:
     """An ``nn.Linear`` whose weight *is* the embedding shard, ``(V / N, C)``:
     it keeps fairseq's key ``decoder.output_projection.weight``, tied as in
     fairseq. Its own weight is replaced at once; where a checkpoint's
@@ -307,11 +309,41 @@ def tied_output_projection(embed_tokens: nn.Module) -> nn.Linear:
     generator's sequence, so the layers after it get their weights."""
     shape = (embed_tokens.weight.shape[1], embed_tokens.weight.shape[0])
     linear = nn.Linear
-    if sharding.draw_later(functools.partial(nn.Linear, *shape, bias=False)):
+    if sharding.draw_later(functools.partial(nn.Linear, *shape, bias=False), initialisation):
         linear = functools.partial(torch.nn.utils.skip_init, nn.Linear, device="meta")
     projection = linear(*shape, bias=False)
     projection.weight = embed_tokens.weight
     return projection
+
+
+def output_projection(dim: int, vocab: int, tensor_parallel,
+                      initialisation: Optional[sharding.DeferredInitialisation] = None) -> ColumnParallelLinear:
+    """The untied output projection: its own column-parallel weight
+    ``(V / N, C)``, drawn as fairseq draws its own (normal, std ``C ** -0.5``)."""
+    return ColumnParallelLinear(dim, vocab, bias=False, init_method=lambda w: nn.init.normal_(w, std=dim ** -0.5),
+                                group=tensor_parallel, initialisation=initialisation)
+
+
+def _queue_learned_positions(positions, initialisation: Optional[sharding.DeferredInitialisation],
+                             index: int) -> None:
+    """Queue at ``index`` of ``initialisation`` (where one is given) the draw
+    of fairseq's learned positions, which its decoder draws as it builds
+    them, after the embedding and before the layers: made again by fairseq's
+    own builder (``fairseq/modules/positional_embedding.py``), so the
+    generator moves as it did, and copied into the parameter that holds
+    them then."""
+    if initialisation is None or not isinstance(positions, LearnedPositionalEmbedding):
+        return
+
+    def draw(held) -> None:
+        offset = positions.padding_idx + 1 if positions.padding_idx is not None else 0
+        drawn = PositionalEmbedding(positions.num_embeddings - offset, positions.embedding_dim,
+                                    positions.padding_idx, learned=True)
+        target = held(positions.weight)
+        if target is not None:
+            sharding.fill_(target, drawn.weight.detach())
+
+    initialisation.insert(index, draw)
 
 
 def version_of_a_final_norm(state_dict: dict, name: str, version: torch.Tensor) -> None:

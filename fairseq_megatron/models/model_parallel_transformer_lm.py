@@ -62,43 +62,36 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         """The model for ``args`` as this rank's part (``tensor_parallel``:
         default this rank's group; a
         :class:`~fairseq_megatron.parallel.parallel_state.RankGroup` builds
-        rank ``k`` of ``T`` without process groups), built once, its initial
-        weights drawn now, or, where the builder fills them itself
-        (``task.initial_weights_may_be_loaded``: our ``language_modeling``
-        task for every load of a checkpoint; fairseq-train's start, whose
-        trainer draws them when no checkpoint fills them:
-        :func:`~fairseq_megatron.modules.sharding.weights_may_be_loaded`), only
-        then. The sharded weights of such a
-        build are on the ``meta`` device until :meth:`materialize`;
-        :meth:`load_state_dict` materializes them and drops the draws for a
+        rank ``k`` of ``T`` without process groups), built once on the
+        ``meta`` device with its initial weights queued
+        (:class:`~fairseq_megatron.modules.sharding.DeferredInitialisation`),
+        then drawn, unless whoever builds it fills them itself: our
+        ``language_modeling`` task for every load of a checkpoint
+        (``task.initial_weights_may_be_loaded``), and fairseq-train, whose
+        trainer draws them after parallelizing the model, where no
+        checkpoint fills them (``args.initial_weights_after_build``, set by
+        :func:`~fairseq_megatron.fairseq_integration.train.main`). Such a
+        model stays on ``meta`` until :meth:`materialize`;
+        :meth:`load_state_dict` materializes it and drops the draws for a
         strict load, draws them first for a partial one, and
         :meth:`run_deferred_initialisation` draws them. Drawing is nearly all
         of the build: every rank draws each layer's full master tensor
-        (:mod:`fairseq_megatron.modules.sharding`), minutes for Megatron-11b.
-        fairseq's learned positions (``--decoder-learned-pos``) draw from the
-        default generator as they are built, between the deferred draws: such
-        a model draws its weights at once, in the build's order.
-
-        Raises:
-            RuntimeError: something else drew from the default generator
-                during a deferred build (its draws would come out of order).
+        (:mod:`fairseq_megatron.modules.sharding`).
         """
-        tensor_parallel = parallel_state.resolve_tensor_parallel(tensor_parallel)
-        later = getattr(task, "initial_weights_may_be_loaded", False) or sharding.weights_may_be_loaded()
-        if not later or draws_while_built(args):
-            return cls._build(args, task, tensor_parallel)
-        with sharding.initialisation_deferred() as deferred:
-            model = cls._build(args, task, tensor_parallel)
-        if deferred.generator_moved():
-            raise RuntimeError("the default generator drew during a deferred build: the deferred draws would not "
-                               "give the weights of a build that drew them")
-        model.deferred_initialisation = deferred
+        initialisation = sharding.DeferredInitialisation()
+        model = cls._build(args, task, tensor_parallel, initialisation)
+        model.deferred_initialisation = initialisation
+        if not (getattr(task, "initial_weights_may_be_loaded", False)
+                or safe_getattr(args, "initial_weights_after_build", False)):
+            model.run_deferred_initialisation()
         return model
 
     @classmethod
-    def _build(cls, args, task, tensor_parallel=parallel_state.DEFAULT_GROUP):
-        """The model for ``args``, drawing its initial weights now (or queueing
-        them in an enclosing :func:`~fairseq_megatron.modules.sharding.initialisation_deferred`)."""
+    def _build(cls, args, task, tensor_parallel=parallel_state.DEFAULT_GROUP,
+               initialisation: Optional[sharding.DeferredInitialisation] = None):
+        """The model for ``args``, its sharded weights queued on
+        ``initialisation`` (on the ``meta`` device until it runs), or drawn
+        now where it is None."""
         tensor_parallel = parallel_state.resolve_tensor_parallel(tensor_parallel)
         base_lm_architecture(args)
         size = tensor_parallel.size
@@ -135,8 +128,9 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
         parse_rows(safe_getattr(args, "masked_vocab_rows", None), args.padded_vocab_size)  # refuses rows beyond
 
         embed_tokens = VocabParallelEmbedding(len(dictionary), args.decoder_input_dim, dictionary.pad(),
-                                              group=tensor_parallel)
-        return cls(ModelParallelTransformerDecoder(args, task.target_dictionary, embed_tokens, tensor_parallel))
+                                              group=tensor_parallel, initialisation=initialisation)
+        return cls(ModelParallelTransformerDecoder(args, task.target_dictionary, embed_tokens, tensor_parallel,
+                                                   initialisation))
 
     @classmethod
     def build_embedding(cls, args, dictionary, embed_dim, path=None):
@@ -231,14 +225,6 @@ def transformer_lm_megatron_11b(args):
     _megatron_common(args, ffn_multiple=6)
 
 
-def draws_while_built(args) -> bool:
-    """Whether a module of the model for ``args`` that is not this
-    package's draws from the default generator as it is built: fairseq's
-    learned positional embedding (``--decoder-learned-pos``)."""
-    return bool(safe_getattr(args, "decoder_learned_pos", False)) and not safe_getattr(
-        args, "no_token_positional_embeddings", False)
-
-
 def is_our_model(model) -> bool:
     """Whether ``model`` (possibly wrapped, e.g. in DDP) is one of our LMs."""
     for _ in range(3):  # fairseq's ModuleProxyWrapper around torch's DDP around the model, at most
@@ -253,3 +239,24 @@ def is_model_parallel_arch(name) -> bool:
     of :class:`ModelParallelTransformerLanguageModel`."""
     return isinstance(name, str) and issubclass(
         ARCH_MODEL_REGISTRY.get(name, type(None)), ModelParallelTransformerLanguageModel)
+
+
+def leave_initial_weights_to_the_trainer(model_cfg, leave: bool = True) -> None:
+    """Say in model config ``model_cfg`` (an ``argparse.Namespace`` or a
+    ``DictConfig``) whether the trainer that follows the build draws the
+    initial weights (``initial_weights_after_build``, read by
+    :meth:`ModelParallelTransformerLanguageModel.build_model`); unsaid again
+    once the trainer has the model, so that no checkpoint records it."""
+    from omegaconf import DictConfig, open_dict
+
+    if isinstance(model_cfg, DictConfig):
+        with open_dict(model_cfg):
+            if leave:
+                model_cfg.initial_weights_after_build = True
+            else:
+                model_cfg.pop("initial_weights_after_build", None)
+    elif leave:
+        model_cfg.initial_weights_after_build = True
+    else:
+        vars(model_cfg).pop("initial_weights_after_build", None)
+

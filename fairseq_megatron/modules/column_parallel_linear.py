@@ -1,6 +1,6 @@
 """Column-parallel linear layer (Shoeybi et al. 2019, section 3, Eq. 3)."""
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -17,7 +17,7 @@ from fairseq_megatron.parallel.mappings import (
     start_all_gather_sequence,
 )
 from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
-from fairseq_megatron.modules.sharding import divide, init_shard_, new_shard
+from fairseq_megatron.modules.sharding import DeferredInitialisation, divide, init_shard_, new_shard
 
 
 def column_parallel_input(x: torch.Tensor, group, sequence_parallel: bool = False) -> torch.Tensor:
@@ -97,6 +97,12 @@ class ColumnParallelLinear(KeepsParameterAttributes, nn.Module):
     fairscale ``nn/model_parallel/layers.py``. With ``--fp8`` training passes
     compute the product in float8 (:mod:`fairseq_megatron.modules.float8`).
 
+    ``initialisation`` (a
+    :class:`~fairseq_megatron.modules.sharding.DeferredInitialisation`, or
+    None to draw at once): the weight made on the ``meta`` device, the draws
+    queued on it (the model's builder runs them, or a checkpoint fills
+    the weights).
+
     Raises:
         ValueError: ``out_features`` is not divisible by the group size.
     """
@@ -109,6 +115,7 @@ class ColumnParallelLinear(KeepsParameterAttributes, nn.Module):
         gather_output: bool = False,
         init_method: Callable[[torch.Tensor], None] = nn.init.xavier_normal_,
         group=parallel_state.DEFAULT_GROUP,
+        initialisation: Optional[DeferredInitialisation] = None,
     ):
         super().__init__()
         self.tensor_parallel = parallel_state.resolve_tensor_parallel(group)
@@ -118,8 +125,9 @@ class ColumnParallelLinear(KeepsParameterAttributes, nn.Module):
         self.out_features_per_partition = divide(out_features, world_size, "output features")
         self.gather_output = gather_output
 
-        self.weight = nn.Parameter(new_shard(self.out_features_per_partition, in_features))
-        init_shard_(self.weight, (out_features, in_features), 0, self.tensor_parallel.rank, world_size, init_method)
+        self.weight = nn.Parameter(new_shard(self.out_features_per_partition, in_features, initialisation=initialisation))
+        init_shard_(self.weight, (out_features, in_features), 0, self.tensor_parallel.rank, world_size, init_method,
+                    initialisation)
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.out_features_per_partition))
         else:

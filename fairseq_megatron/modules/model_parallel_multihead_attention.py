@@ -13,7 +13,7 @@ from fairseq_megatron.errors import UsageError
 from fairseq_megatron.modules.column_parallel_linear import ColumnParallelLinear, column_parallel_product
 from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
 from fairseq_megatron.modules.row_parallel_linear import RowParallelLinear
-from fairseq_megatron.modules.sharding import divide
+from fairseq_megatron.modules.sharding import DeferredInitialisation, divide
 from fairseq_megatron.modules.context_parallel_attention import attend_to_gathered_keys
 from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
 
@@ -56,6 +56,12 @@ class ModelParallelMultiheadAttention(KeepsParameterAttributes, nn.Module):
     ``attn_mask`` ``(T / C, T)`` and ``key_padding_mask`` ``(B, T)`` follow
     the gathered keys' order. Not in incremental decoding.
 
+    ``initialisation`` (a
+    :class:`~fairseq_megatron.modules.sharding.DeferredInitialisation`, or
+    None to draw at once): the projections' weights made on the ``meta`` device, the draws
+    queued on it (the model's builder runs them, or a checkpoint fills
+    the weights).
+
     Raises:
         UsageError (a ValueError): ``embed_dim`` not divisible by
             ``num_heads``, or ``num_heads`` not divisible by the model-parallel size.
@@ -68,6 +74,7 @@ class ModelParallelMultiheadAttention(KeepsParameterAttributes, nn.Module):
         dropout: float = 0.0,
         bias: bool = True,
         group=parallel_state.DEFAULT_GROUP,
+        initialisation: Optional[DeferredInitialisation] = None,
     ):
         super().__init__()
         self.tensor_parallel = parallel_state.resolve_tensor_parallel(group)
@@ -80,10 +87,11 @@ class ModelParallelMultiheadAttention(KeepsParameterAttributes, nn.Module):
         self.num_heads_partition = divide(num_heads, world_size, "number of attention heads")
         self.dropout_p = dropout
 
-        self.k_proj = ColumnParallelLinear(embed_dim, embed_dim, bias=bias, group=self.tensor_parallel)
-        self.v_proj = ColumnParallelLinear(embed_dim, embed_dim, bias=bias, group=self.tensor_parallel)
-        self.q_proj = ColumnParallelLinear(embed_dim, embed_dim, bias=bias, group=self.tensor_parallel)
-        self.out_proj = RowParallelLinear(embed_dim, embed_dim, bias=bias, group=self.tensor_parallel)
+        built = dict(bias=bias, group=self.tensor_parallel, initialisation=initialisation)
+        self.k_proj = ColumnParallelLinear(embed_dim, embed_dim, **built)
+        self.v_proj = ColumnParallelLinear(embed_dim, embed_dim, **built)
+        self.q_proj = ColumnParallelLinear(embed_dim, embed_dim, **built)
+        self.out_proj = RowParallelLinear(embed_dim, embed_dim, **built)
 
     context_parallel = parallel_state.RankGroup()
     """The ranks that split the sequence (context parallelism): a group of

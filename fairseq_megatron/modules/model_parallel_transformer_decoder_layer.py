@@ -18,6 +18,7 @@ from fairseq_megatron.modules.model_parallel_multihead_attention import (
 )
 from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
 from fairseq_megatron.modules.row_parallel_linear import RowParallelLinear
+from fairseq_megatron.modules.sharding import DeferredInitialisation
 from fairseq_megatron.parallel.rng_tracker import get_rng_tracker
 
 
@@ -48,12 +49,19 @@ class ModelParallelTransformerDecoderLayer(KeepsParameterAttributes, nn.Module):
     Residual dropout then draws from the model-parallel RNG stream, since
     ranks hold different positions.
 
+    ``initialisation`` (a
+    :class:`~fairseq_megatron.modules.sharding.DeferredInitialisation`, or
+    None to draw at once): the attention's and FFN's weights made on the ``meta`` device, the draws
+    queued on it (the model's builder runs them, or a checkpoint fills
+    the weights).
+
     Raises:
         ValueError: heads or ``decoder_ffn_embed_dim`` not divisible by the
             model-parallel size.
     """
 
-    def __init__(self, cfg, group=parallel_state.DEFAULT_GROUP):
+    def __init__(self, cfg, group=parallel_state.DEFAULT_GROUP,
+                 initialisation: Optional[DeferredInitialisation] = None):
         super().__init__()
         tensor_parallel = parallel_state.resolve_tensor_parallel(group)
         self.tensor_parallel = tensor_parallel
@@ -70,11 +78,14 @@ class ModelParallelTransformerDecoderLayer(KeepsParameterAttributes, nn.Module):
         self.activation_fn = F.gelu if activation == "gelu" else utils.get_activation_fn(activation=activation)
 
         self.self_attn = ModelParallelMultiheadAttention(
-            embed_dim, cfg.decoder.attention_heads, dropout=cfg.attention_dropout, group=tensor_parallel
+            embed_dim, cfg.decoder.attention_heads, dropout=cfg.attention_dropout, group=tensor_parallel,
+            initialisation=initialisation,
         )
         self.self_attn_layer_norm = LayerNorm(embed_dim, export=cfg.export)
-        self.fc1 = ColumnParallelLinear(embed_dim, cfg.decoder.ffn_embed_dim, group=tensor_parallel)
-        self.fc2 = RowParallelLinear(cfg.decoder.ffn_embed_dim, embed_dim, group=tensor_parallel)
+        self.fc1 = ColumnParallelLinear(embed_dim, cfg.decoder.ffn_embed_dim, group=tensor_parallel,
+                                        initialisation=initialisation)
+        self.fc2 = RowParallelLinear(cfg.decoder.ffn_embed_dim, embed_dim, group=tensor_parallel,
+                                     initialisation=initialisation)
         self.final_layer_norm = LayerNorm(embed_dim, export=cfg.export)
         self.need_attn = False
         self.tag_parameters()  # the layer norms' weights are replicated

@@ -1,6 +1,6 @@
 """Row-parallel linear layer (Shoeybi et al. 2019, section 3, Eq. 3)."""
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -14,7 +14,7 @@ from fairseq_megatron.parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
-from fairseq_megatron.modules.sharding import divide, init_shard_, new_shard
+from fairseq_megatron.modules.sharding import DeferredInitialisation, divide, init_shard_, new_shard
 
 
 class RowParallelLinear(KeepsParameterAttributes, nn.Module):
@@ -39,6 +39,12 @@ class RowParallelLinear(KeepsParameterAttributes, nn.Module):
     ``--fp8`` training passes compute the product in float8
     (:mod:`fairseq_megatron.modules.float8`).
 
+    ``initialisation`` (a
+    :class:`~fairseq_megatron.modules.sharding.DeferredInitialisation`, or
+    None to draw at once): the weight made on the ``meta`` device, the draws
+    queued on it (the model's builder runs them, or a checkpoint fills
+    the weights).
+
     Raises:
         ValueError: ``in_features`` is not divisible by the group size.
     """
@@ -51,6 +57,7 @@ class RowParallelLinear(KeepsParameterAttributes, nn.Module):
         input_is_parallel: bool = True,
         init_method: Callable[[torch.Tensor], None] = nn.init.xavier_normal_,
         group=parallel_state.DEFAULT_GROUP,
+        initialisation: Optional[DeferredInitialisation] = None,
     ):
         super().__init__()
         self.tensor_parallel = parallel_state.resolve_tensor_parallel(group)
@@ -60,8 +67,9 @@ class RowParallelLinear(KeepsParameterAttributes, nn.Module):
         self.in_features_per_partition = divide(in_features, world_size, "input features")
         self.input_is_parallel = input_is_parallel
 
-        self.weight = nn.Parameter(new_shard(out_features, self.in_features_per_partition))
-        init_shard_(self.weight, (out_features, in_features), 1, self.tensor_parallel.rank, world_size, init_method)
+        self.weight = nn.Parameter(new_shard(out_features, self.in_features_per_partition, initialisation=initialisation))
+        init_shard_(self.weight, (out_features, in_features), 1, self.tensor_parallel.rank, world_size, init_method,
+                    initialisation)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features))
         else:

@@ -6,23 +6,22 @@ model-parallel size N therefore starts from exactly the weights of the same
 model at size 1, which is what the parity tests compare (Megatron-LM
 ``_initialize_affine_weight_cpu`` does the same).
 
-A model whose builder initialises its weights explicitly, from a
-checkpoint or by drawing them (fairseq-train's trainer, which looks for
-``checkpoint_last.pt`` after the build; every tool that loads a checkpoint)
-is built within :func:`initialisation_deferred`: its shards
-are made on the ``meta`` device, then given NaN-filled memory
-(:meth:`DeferredInitialisation.materialize`), so that a parameter the
-checkpoint failed to fill cannot pass for a trained one, and the draws wait,
-to run only if no checkpoint fills the parameters, giving the same weights
-as at the build. Drawing the master
-tensors is the whole cost of building the model: 14 s of 14 s for 8
-Megatron-11b layers (1.2B parameters) on 2 CPU threads, about 2 minutes for
-the 72 layers, on every rank at every model-parallel size (each rank draws
-the full master tensor of each layer).
+Each layer takes the :class:`DeferredInitialisation` of the model being
+built (``initialisation``): its shards are made on the ``meta`` device and
+its draws queued in the order they are due, to run once, explicitly, after
+the model is parallelized: the builder draws them at once for a model
+nobody loads (its queue run as the build ends), while one that a checkpoint
+fills (fairseq-train's trainer, which looks for ``checkpoint_last.pt``
+after the build; every tool that loads a checkpoint) gives its weights
+NaN-filled memory (:meth:`DeferredInitialisation.materialize`), so that a
+parameter the checkpoint failed to fill cannot pass for a trained one, and
+draws them only if no checkpoint fills them, giving the same weights.
+A layer built without one draws at once. Drawing the master tensors is
+nearly the whole cost of building a model, on every rank at every
+model-parallel size (each rank draws the full master tensor of each layer).
 """
 
-import contextlib
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -72,22 +71,22 @@ def fill_(target: torch.Tensor, value: torch.Tensor) -> None:
 
 
 class DeferredInitialisation:
-    """The initialisations left out of a build within
-    :func:`initialisation_deferred`, in the order they were due, and the
-    default generator's state when the build began.
+    """The initialisations of one model's build, queued in the order they
+    were due, and the default generator's state when the build began.
 
-    Within that context the layers make their sharded weights on the
-    ``meta`` device (no memory); :meth:`materialize` gives them memory,
+    The layers given it make their sharded weights on the ``meta`` device
+    (no memory); :meth:`materialize` gives them memory,
     NaN-filled (so that a weight a checkpoint failed to fill cannot pass for
     a trained one), after the caller has dropped what this rank does not
     hold (a pipeline stage keeps its own layers:
     :mod:`fairseq_megatron.training.pipeline_split`). :meth:`run` then draws
     every queued initialisation from the build's generator state: into the
     weights still held, and drawn and thrown away for the others, so the
-    weights held are bitwise those the build would have given them, and the
-    generator is left where the build would have left it, provided nothing
-    else drew from it during the build (the caller checks:
-    :meth:`generator_moved`). Parameters moved to another device or dtype
+    weights held are bitwise those a build that drew at once gives them,
+    and the generator is left where that build leaves it, whatever drew
+    from it in between: every draw of the build is queued (a module that
+    draws as it is built, fairseq's learned positions, is queued again in
+    its place, :meth:`insert`). Parameters moved to another device or dtype
     since keep being filled: each master tensor is drawn in fp32 on the
     CPU, then cast into the shard.
     """
@@ -102,6 +101,12 @@ class DeferredInitialisation:
         that now stands for ``param`` (None where this rank dropped it)."""
         self._pending.append(initialise)
 
+    def insert(self, index: int, initialise: Callable[[Callable[[torch.Tensor], Optional[torch.Tensor]]], object]) -> None:
+        """Queue ``initialise(held)`` at position ``index``: the draw of a
+        module that was built (and drew from the generator) before the
+        initialisations queued since."""
+        self._pending.insert(index, initialise)
+
     def __len__(self) -> int:
         return len(self._pending)
 
@@ -109,8 +114,9 @@ class DeferredInitialisation:
         """Whether the default generator has drawn since the build began."""
         return not torch.equal(torch.get_rng_state(), self.generator_state)
 
-    def materialize(self, module: nn.Module, device="cpu") -> None:
-        """Give every ``meta`` parameter of ``module`` memory on ``device``,
+    def materialize(self, module: nn.Module, device=None) -> None:
+        """Give every ``meta`` parameter of ``module`` memory on ``device``
+        (default: torch's default device),
         filled with NaN: a new parameter in its place, the same one wherever
         the meta parameter was shared (a tied output projection), with its
         attributes (:mod:`~fairseq_megatron.modules.parameter_attributes`)."""
@@ -153,65 +159,19 @@ class DeferredInitialisation:
         self._pending.clear()
 
 
-# The queue of the build in progress: the layers' constructors, which fairseq's decoder calls with arguments of
-# its own, take no argument that could carry it.
-_deferred: Optional[DeferredInitialisation] = None
-# Whether fairseq-train's build is in progress, which draws nothing: fairseq builds the model through any task
-# (its own dummy_lm too), with no argument that could say so, before the trainer looks for a checkpoint.
-_may_be_loaded = False
-
-
-@contextlib.contextmanager
-def checkpoint_may_fill_weights() -> Iterator[None]:
-    """Models built within this context may get their weights from a
-    checkpoint, so they defer their draws (``build_model`` asks
-    :func:`weights_may_be_loaded`). fairseq-train's start enters it: it
-    builds the model before it looks for a checkpoint to resume from."""
-    global _may_be_loaded
-    previous, _may_be_loaded = _may_be_loaded, True
-    try:
-        yield
-    finally:
-        _may_be_loaded = previous
-
-
-def weights_may_be_loaded() -> bool:
-    """Whether a :func:`checkpoint_may_fill_weights` context is open."""
-    return _may_be_loaded
-
-
-@contextlib.contextmanager
-def initialisation_deferred() -> Iterator[DeferredInitialisation]:
-    """Within this context :func:`new_shard` makes ``meta`` tensors and
-    :func:`init_shard_` queues its draw on the :class:`DeferredInitialisation`
-    yielded, drawing nothing from the default generator."""
-    global _deferred
-    previous, _deferred = _deferred, DeferredInitialisation()
-    try:
-        yield _deferred
-    finally:
-        _deferred = previous
-
-
-def deferred_initialisation() -> Optional[DeferredInitialisation]:
-    """The queue of the enclosing :func:`initialisation_deferred`, or None."""
-    return _deferred
-
-
-def new_shard(*shape: int) -> torch.Tensor:
+def new_shard(*shape: int, initialisation: Optional[DeferredInitialisation] = None) -> torch.Tensor:
     """An uninitialised fp32 tensor for a shard that :func:`init_shard_` fills:
-    on the ``meta`` device within :func:`initialisation_deferred`."""
-    return torch.empty(*shape, device="meta" if _deferred is not None else None)
+    on the ``meta`` device where its draw is queued on ``initialisation``."""
+    return torch.empty(*shape, device="meta" if initialisation is not None else None)
 
 
-def draw_later(draw: Callable[[], object]) -> bool:
-    """Whether an initialisation must not draw now: within
-    :func:`initialisation_deferred` (``draw`` is queued, and its result
-    thrown away when it runs). For modules that initialise other than
-    through :func:`init_shard_`."""
-    if _deferred is not None:
-        _deferred.add(lambda held: draw())
-    return _deferred is not None
+def draw_later(draw: Callable[[], object], initialisation: Optional[DeferredInitialisation]) -> bool:
+    """Whether an initialisation must not draw now: where ``initialisation``
+    is given (``draw`` is queued on it, and its result thrown away when it
+    runs). For modules that initialise other than through :func:`init_shard_`."""
+    if initialisation is not None:
+        initialisation.add(lambda held: draw())
+    return initialisation is not None
 
 
 def init_shard_(
@@ -221,10 +181,11 @@ def init_shard_(
     rank: int,
     world_size: int,
     init_method: Callable[[torch.Tensor], None],
+    initialisation: Optional[DeferredInitialisation] = None,
 ) -> None:
     """Fill ``shard`` with this rank's slice of a master tensor of ``full_shape``
-    initialised by ``init_method`` (in fp32 on the CPU, then cast); within
-    :func:`initialisation_deferred`, when its queue runs (drawn and thrown
+    initialised by ``init_method`` (in fp32 on the CPU, then cast): now, or
+    where ``initialisation`` is given, when its queue runs (drawn and thrown
     away if this rank no longer holds ``shard`` then)."""
     def draw(target: Optional[torch.Tensor]) -> None:
         full = torch.empty(full_shape, dtype=torch.float32, device="cpu")
@@ -232,7 +193,7 @@ def init_shard_(
         if target is not None:
             fill_(target, shard_of(full, dim, rank, world_size))
 
-    if _deferred is not None:
-        _deferred.add(lambda held: draw(held(shard)))
+    if initialisation is not None:
+        initialisation.add(lambda held: draw(held(shard)))
     else:
         draw(shard)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from fairseq_megatron.parallel import parallel_state
 from fairseq_megatron.parallel.mappings import reduce_from_tensor_model_parallel_region
 from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
-from fairseq_megatron.modules.sharding import divide, init_shard_, new_shard
+from fairseq_megatron.modules.sharding import DeferredInitialisation, divide, init_shard_, new_shard
 
 
 def vocab_range(vocab_size: int, rank: int, world_size: int):
@@ -47,6 +47,12 @@ class VocabParallelEmbedding(KeepsParameterAttributes, nn.Module):
     and gets no gradient. Mirrors Megatron-LM
     ``tensor_parallel/layers.py:VocabParallelEmbedding``.
 
+    ``initialisation`` (a
+    :class:`~fairseq_megatron.modules.sharding.DeferredInitialisation`, or
+    None to draw at once): the weight made on the ``meta`` device, the draws
+    queued on it (the model's builder runs them, or a checkpoint fills
+    the weights).
+
     Raises:
         ValueError: ``num_embeddings`` is not divisible by the group size.
     """
@@ -58,6 +64,7 @@ class VocabParallelEmbedding(KeepsParameterAttributes, nn.Module):
         padding_idx: Optional[int] = None,
         init_method: Optional[Callable[[torch.Tensor], None]] = None,
         group=parallel_state.DEFAULT_GROUP,
+        initialisation: Optional[DeferredInitialisation] = None,
     ):
         super().__init__()
         self.tensor_parallel = parallel_state.resolve_tensor_parallel(group)
@@ -73,10 +80,11 @@ class VocabParallelEmbedding(KeepsParameterAttributes, nn.Module):
         else:
             self._local_padding_idx = None
 
-        self.weight = nn.Parameter(new_shard(self.vocab_end_index - self.vocab_start_index, embedding_dim))
+        self.weight = nn.Parameter(new_shard(self.vocab_end_index - self.vocab_start_index, embedding_dim,
+                                           initialisation=initialisation))
         init_shard_(
             self.weight, (num_embeddings, embedding_dim), 0, self.tensor_parallel.rank, world_size,
-            init_method or fairseq_embedding_init(embedding_dim, padding_idx),
+            init_method or fairseq_embedding_init(embedding_dim, padding_idx), initialisation,
         )
         self.set_tensor_parallel_split("weight", 0)
 

@@ -5,14 +5,12 @@ drew them."""
 import pytest
 
 import fairseq_megatron  # noqa: F401  (installs the integration steps)
-from fairseq_megatron.modules import sharding
 from tests.helpers import init_model_parallel, run_distributed
 from tests.support.checkpoint_loading import built_both_ways
 
 
 def _both_ways_in_a_group(rank, world_size):
     init_model_parallel(world_size, seed=0)
-    assert sharding.deferred_initialisation() is None
     return built_both_ways(world_size)
 
 

@@ -4,7 +4,6 @@ import torch
 
 import fairseq_megatron  # noqa: F401  (installs the integration steps)
 from fairseq_megatron.models.model_parallel_transformer_lm import ModelParallelTransformerLanguageModel
-from fairseq_megatron.modules import sharding
 from tests.helpers import LMTask, build_model, make_dictionary, model_args
 
 # The weights the model-parallel layers draw through sharding.init_shard_:
@@ -23,8 +22,9 @@ def built_both_ways(model_parallel_size: int, seed: int = 7, **overrides) -> dic
 
     torch.manual_seed(seed)
     args = model_args(model_parallel_size, **overrides)
-    with sharding.initialisation_deferred() as deferred:
-        lazy = ModelParallelTransformerLanguageModel.build_model(args, LMTask(make_dictionary()))
+    args.initial_weights_after_build = True  # as fairseq-train builds it: the trainer draws the weights
+    lazy = ModelParallelTransformerLanguageModel.build_model(args, LMTask(make_dictionary()))
+    deferred = lazy.deferred_initialisation
     moved = deferred.generator_moved()
     deferred.materialize(lazy)
     nan_before = sorted(n for n, p in lazy.named_parameters() if torch.isnan(p).all())

@@ -117,13 +117,14 @@ def test_deferred_draws_give_the_weights_and_generator_state_of_the_build(tied):
     assert both["different"] == [] and both["finite"] and both["same_generator"]
 
 
-def test_fairseq_train_builds_deferred_unless_the_build_draws_elsewhere():
+def test_fairseq_train_builds_deferred_whatever_draws_in_the_build():
     """The model's choice, through fairseq's ``models.build_model`` as
     fairseq-train calls it: deferred for our architectures when the task says
     a checkpoint may fill the weights (our task does in fairseq-train and for
-    every load of a checkpoint); built as before when another module drew
-    from the generator in the build (``--decoder-learned-pos``: fairseq's
-    learned positional embedding), and when no checkpoint may come."""
+    every load of a checkpoint), also where another module draws from the
+    generator as it is built (``--decoder-learned-pos``: fairseq's learned
+    positional embedding, whose draw is queued again in its place); drawn at
+    once when no checkpoint may come."""
     from fairseq import models
 
     def build(seed, may_be_loaded=True, **overrides):
@@ -145,8 +146,10 @@ def test_fairseq_train_builds_deferred_unless_the_build_draws_elsewhere():
     for name, tensor in build_model(1, seed=4)[0].state_dict().items():
         assert torch.equal(lazy.state_dict()[name], tensor), name
 
-    learned = build(4, decoder_learned_pos=True)
-    assert learned.deferred_initialisation is None
+    learned = build(4, decoder_learned_pos=True)  # fairseq's positions drew as they were built: queued again
+    assert len(learned.deferred_initialisation) == 15
+    torch.rand(3)  # a draw between the build and the run, which starts from the build's state regardless
+    learned.run_deferred_initialisation()
     expected_generator = torch.get_rng_state()
     reference, _ = build_model(1, seed=4, decoder_learned_pos=True)
     assert torch.equal(torch.get_rng_state(), expected_generator)

@@ -67,8 +67,9 @@ def test_tags_survive_deepcopy_to_empty_assign_and_materialization():
     expected = expected_tags(model)
     assert tags(copy.deepcopy(model)) == expected
 
-    with sharding.initialisation_deferred() as deferred:
-        on_meta = ModelParallelTransformerLanguageModel.build_model(model_args(1), LMTask(make_dictionary()))
+    on_meta = ModelParallelTransformerLanguageModel.build_model(model_args(1, initial_weights_after_build=True),
+                                                                LMTask(make_dictionary()))
+    deferred = on_meta.deferred_initialisation
     assert on_meta.decoder.layers[0].fc1.weight.is_meta
     empty = copy.deepcopy(on_meta).to_empty(device="cpu")
     assert tags(empty) == expected
@@ -86,8 +87,8 @@ def test_tags_survive_deepcopy_to_empty_assign_and_materialization():
 def test_rank_k_of_t_builds_its_shard_on_meta_without_process_groups():
     """Rank 2 of 4, in this single process (no torch.distributed): the
     shapes of that rank's part and the vocabulary rows it owns."""
-    args = model_args(4)
-    with torch.device("meta"), sharding.initialisation_deferred():
+    args = model_args(4, initial_weights_after_build=True)
+    with torch.device("meta"):
         part = ModelParallelTransformerLanguageModel.build_model(args, LMTask(make_dictionary()),
                                                                  tensor_parallel=RankGroup(4, 2))
     layer = part.decoder.layers[0]

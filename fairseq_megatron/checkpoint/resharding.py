@@ -395,10 +395,11 @@ class PartFiles:
                 raise CheckpointError(f"{f} holds different tensors than {self.files[0]}")
         joined = False
         if with_optimizer:
-            if self.stages > 1:
-                raise CheckpointError(f"{path} is in {self.stages} pipeline stages: its optimizer state is not "
-                                      f"resharded (each stage's optimizer holds that stage's parameters)")
             for f, state in zip(self.files, loaded):
+                if self.stages > 1:  # the stages' optimizer states, joined as one stage's optimizer holds them
+                    state["last_optimizer_state"] = restaged_optimizer_state(
+                        self.opened, f, parameter_keys(list(state["model"]), aliases_of(state)))
+                    joined = True  # kept in memory
                 if state.get("optimizer_shards") and not state.get("last_optimizer_state"):
                     joined = True  # saved under --ddp-backend fully_sharded: the shards joined, kept in memory
                     state["last_optimizer_state"], order = joined_optimizer_state(state, f, saved_token(state))
@@ -823,8 +824,9 @@ def reshard(input_path: str, output_path: str, new_size: int, verify: bool = Tru
     """
     outputs = output_paths(output_path, new_size, new_stages)
     if with_optimizer and new_stages > 1:
-        raise CheckpointError(f"--keep-optimizer with {new_stages} pipeline stages: each stage's optimizer holds "
-                              f"that stage's parameters, which this tool does not split")
+        raise CheckpointError(f"--keep-optimizer with {new_stages} pipeline stages: this tool writes the optimizer "
+                              f"state of one stage; drop --pipeline-model-parallel-size, and fairseq-train "
+                              f"--pipeline-model-parallel-size {new_stages} cuts it for its stages as it resumes")
     parts = prepare_outputs(input_path, output_path, outputs, with_optimizer, parts)
     check_divisible(model_config(parts.metadata), parts.padded_vocab_size, new_size)
     stage_layouts(model_config(parts.metadata), new_stages)  # refuses stages that do not divide the layers

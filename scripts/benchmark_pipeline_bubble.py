@@ -87,27 +87,81 @@ def _trainer(stages: int, micro_batches: int, schedule: str, virtual: int):
 
 class _Intervals:
     """Seconds this rank spent in its chunks' passes and in waits for its
-    point-to-point messages, from torch's pipelining functions wrapped."""
+    point-to-point messages, from torch's pipelining functions wrapped; the
+    waits also by phase of the update (``warm-up``: before this rank's
+    first backward; ``cool-down``: after its last forward; ``steady``: in
+    between) with their count, for ``--trace``."""
 
-    def __init__(self):
+    PHASES = ("warm-up", "steady", "cool-down")
+
+    def __init__(self, forwards_per_update: int):
         from torch.distributed.pipelining import schedules, stage
 
-        self.compute = self.wait = 0.0
+        self.forwards_per_update = forwards_per_update
+        self.reset()
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-            setattr(stage._PipelineStageBase, name, self._timed(getattr(stage._PipelineStageBase, name), "compute"))
+            setattr(stage._PipelineStageBase, name, self._timed(getattr(stage._PipelineStageBase, name), name))
         schedules._wait_batch_p2p = self._timed(schedules._wait_batch_p2p, "wait")
+
+    def _phase(self) -> str:
+        if not self.backwards:
+            return "warm-up"
+        return "cool-down" if self.forwards >= self.forwards_per_update else "steady"
 
     def _timed(self, function, what):
         def timed(*args, **kwargs):
+            phase = self._phase()
             start = time.perf_counter()
             try:
                 return function(*args, **kwargs)
             finally:
-                setattr(self, what, getattr(self, what) + time.perf_counter() - start)
+                seconds = time.perf_counter() - start
+                if what == "wait":
+                    self.wait += seconds
+                    self.waits[phase][0] += 1
+                    self.waits[phase][1] += seconds
+                else:
+                    self.compute += seconds
+                    self.forwards += what == "forward_one_chunk"
+                    self.backwards += what == "backward_one_chunk"
         return timed
 
     def reset(self):
         self.compute = self.wait = 0.0
+        self.forwards = self.backwards = 0
+        self.waits = {phase: [0, 0.0] for phase in self.PHASES}  # count, seconds
+
+
+def _p2p_one_way(rank: int, init_file: str, out: str, repeats: int = 40) -> None:
+    """Half the round trip of one micro-batch's activations (``ROWS x LENGTH x
+    HIDDEN`` fp32) between two gloo processes, median over ``repeats``."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    x = torch.randn(ROWS, LENGTH, HIDDEN)
+    trips = []
+    for _ in range(repeats + 5):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        else:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+        trips.append(time.perf_counter() - start)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(statistics.median(trips[5:]) / 2, f)
+    dist.destroy_process_group()
+
+
+def p2p_one_way_seconds() -> float:
+    """:func:`_p2p_one_way` in two fresh processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "seconds")
+        mp.spawn(_p2p_one_way, args=(os.path.join(tmp, "init"), out), nprocs=2, join=True)
+        with open(out) as f:
+            return json.load(f)
 
 
 def _time_updates(rank: int, stages: int, micro_batches: int, steps: int, schedule: str, virtual: int,
@@ -117,7 +171,7 @@ def _time_updates(rank: int, stages: int, micro_batches: int, steps: int, schedu
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=stages)
     trainer, batches = _trainer(stages, micro_batches, schedule, virtual)
-    intervals = _Intervals() if stages > 1 else None
+    intervals = _Intervals(micro_batches * virtual) if stages > 1 else None
     updates = []
     for step in range(steps + 1):  # the first update builds the schedule and infers shapes: not timed
         samples = [next(batches) for _ in range(micro_batches)]
@@ -129,7 +183,8 @@ def _time_updates(rank: int, stages: int, micro_batches: int, steps: int, schedu
         dist.barrier()
         if step:
             seconds = time.perf_counter() - start
-            updates.append((seconds, intervals.compute if intervals else seconds, intervals.wait if intervals else 0.0))
+            updates.append((seconds, intervals.compute if intervals else seconds, intervals.wait if intervals else 0.0,
+                            intervals.waits if intervals else {}))
     with open(f"{out}.{rank}", "w") as f:
         json.dump(updates, f)
     dist.destroy_process_group()
@@ -146,9 +201,11 @@ def time_run(stages: int, micro_batches: int, steps: int, schedule: str = "1f1b"
         for rank in range(stages):
             with open(f"{out}.{rank}") as f:
                 ranks.append(json.load(f))
-    return {"update": statistics.median(u for u, _, _ in ranks[0]),
-            "compute": [statistics.median(c for _, c, _ in r) for r in ranks],
-            "wait": [statistics.median(w for _, _, w in r) for r in ranks]}
+    return {"update": statistics.median(u[0] for u in ranks[0]),
+            "compute": [statistics.median(u[1] for u in r) for r in ranks],
+            "wait": [statistics.median(u[2] for u in r) for r in ranks],
+            "phases": [{phase: (statistics.median(u[3][phase][0] for u in r), statistics.median(u[3][phase][1] for u in r))
+                        for phase in _Intervals.PHASES} for r in ranks] if stages > 1 else []}
 
 
 def _spread(values) -> str:
@@ -165,6 +222,9 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--steps", type=int, default=4, help="timed updates per run (the median is the run's figure)")
     p.add_argument("--repeats", type=int, default=2, help="runs per configuration, each in fresh processes")
+    p.add_argument("--trace", action="store_true",
+                   help="also print each rank's point-to-point waits by phase of the update (warm-up, steady, "
+                        "cool-down: count and ms) and gloo's one-way time for one micro-batch's activations")
     args = p.parse_args(argv)
     if args.stages < 2 or args.steps < 1 or args.repeats < 1 or LAYERS % (2 * args.stages):
         p.error(f"--stages at least 2, with 2 x --stages dividing {LAYERS}; --steps and --repeats at least 1")
@@ -179,6 +239,11 @@ def main(argv=None) -> int:
           f"(median of the runs, then lowest-highest)")
     print(f"{'m':>3} {'schedule':<17}{'V':>2} {'1 stage':>8} {'P stages':>9} {'spread':>11} {'speed-up':>8} "
           f"{'idle':>6} {'bound':>6}  per rank: compute / p2p wait / other")
+    if args.trace:
+        one_way = p2p_one_way_seconds()
+        print(f"gloo, one micro-batch's activations ({ROWS} x {LENGTH} x {HIDDEN} fp32, "
+              f"{ROWS * LENGTH * HIDDEN * 4 / 2 ** 20:.1f} MiB) one way: {one_way * 1e3:.2f} ms (half the median "
+              f"round trip)")
     for m in args.micro_batches:
         one = [time_run(1, m, args.steps)["update"] for _ in range(args.repeats)]
         t1 = statistics.median(one)
@@ -196,6 +261,13 @@ def main(argv=None) -> int:
                 ranks.append(f"{compute * 1e3:.0f} / {wait * 1e3:.0f} / {(tp - compute - wait) * 1e3:.0f}")
             print(f"{m:>3} {name:<17}{v:>2} {'':>8} {tp * 1e3:>9.0f} {_spread([r['update'] for r in runs]):>11} "
                   f"{t1 / tp:>8.2f} {idle:>6.1%} {bound:>6.1%}  " + "; ".join(ranks), flush=True)
+            if args.trace:
+                for rank in range(args.stages):
+                    phases = [(phase, statistics.median(r["phases"][rank][phase][0] for r in runs),
+                               statistics.median(r["phases"][rank][phase][1] for r in runs))
+                              for phase in _Intervals.PHASES]
+                    print(f"{'':>33}rank {rank} waits: " + ", ".join(
+                        f"{phase} {count:.0f} / {seconds * 1e3:.0f} ms" for phase, count, seconds in phases))
     return 0
 
 

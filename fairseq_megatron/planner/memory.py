@@ -76,22 +76,33 @@ Formulas (all per GPU, in bytes unless said otherwise):
   (``scaled_dot_product_attention``, as this package uses) the ``5*a*s^2*b``
   term of the attention matrix is not stored.
 * Micro-batches in flight (torch's schedules, :mod:`fairseq_megatron.training.pipeline_schedule`):
-  under 1F1B the first of ``P`` stages runs ``P`` forwards before its first
-  backward, so it keeps ``L`` layers' worth of activations whatever ``P``
-  (Korthikanti et al. 2022, section 4.2.3), the last stage one micro-batch's.
-  The interleaved schedule with ``V`` chunks per stage runs
-  ``(V - 1) * P + 2 * (P - 1)`` chunk forwards before stage 0's first backward
-  (torch's ``_get_warmup_ops``), ``(V - 1) * P`` on the last stage: the
-  first keeps ``L * (1 + (P - 1) / (P * V))`` layers' worth (Korthikanti
-  et al. 2022, section 4.2.3).
+  a stage keeps each chunk forward's activations until its backward, or
+  under the schedules that split the backward until its weight pass; how
+  many it holds at its peak depends on the schedule
+  (:func:`~fairseq_megatron.training.pipeline_schedules.activations_in_flight`,
+  whose docstring gives each schedule's count and source). Under 1F1B the
+  first of ``P`` stages runs ``P`` forwards before its first backward, so
+  it keeps ``L`` layers' worth of activations whatever ``P`` (Korthikanti
+  et al. 2022, section 4.2.3), the last stage one micro-batch's; the
+  interleaved schedule's first stage ``L * (1 + (P - 1) / (P * V))``.
+  Between a chunk's input backward and its weight pass torch keeps the
+  gradient flowing into each weight's operation
+  (:func:`weight_pass_inputs_bytes_per_layer`; on the chunk that computes
+  the logits their gradient too).
+* The V-shaped schedules (``zbv``, ``dualpipev``) place chunks ``s`` and
+  ``2P - 1 - s`` on stage ``s``: stage 0 holds both ends of the model (the
+  embedding, the final layer norm, the tied output projection as the same
+  tensor, the logits), stage ``P - 1`` two middle chunks and no embedding.
 """
 
 import dataclasses
 import functools
 from typing import Optional
 
+from fairseq_megatron.models.pipeline_stage import V_SHAPE
 from fairseq_megatron.planner.errors import PlanError
 from fairseq_megatron.planner.shape import ModelShape
+from fairseq_megatron.training.pipeline_schedules import SCHEDULES, Schedule, activations_in_flight
 
 BYTES_PER_PARAM = {
     # precision: (weights, gradients, optimizer state)
@@ -245,15 +256,35 @@ def model_ends_bytes(m: ModelShape, micro_batch: int, tp: int, precision: str, f
     return ends
 
 
-def chunk_passes_in_flight(stage: int, pp: int, vp: int, micro_batches: int) -> int:
+def default_schedule(vp: int) -> Schedule:
+    """The schedule fairseq-train runs without ``--pipeline-schedule``:
+    interleaved 1F1B with more than one chunk per stage, else 1F1B."""
+    return SCHEDULES["interleaved-1f1b" if vp > 1 else "1f1b"]
+
+
+def chunk_passes_in_flight(stage: int, pp: int, vp: int, micro_batches: int, schedule: Optional[str] = None) -> int:
     """Chunk forwards (``L / (P * V)`` layers each) whose activations
-    ``stage`` of ``pp`` holds at once under torch's 1F1B (``vp == 1``) or
-    interleaved 1F1B schedule: its warm-up forwards and the first of its
-    steady state, at most every forward of the update."""
-    if vp == 1:
-        return min(pp - stage, micro_batches)
-    per_round = micro_batches // max(1, micro_batches // pp)
-    return min((vp - 1) * per_round + 2 * (pp - 1 - stage) + 1, micro_batches * vp)
+    ``stage`` of ``pp`` holds at once under ``schedule`` (by default
+    :func:`default_schedule`):
+    :func:`~fairseq_megatron.training.pipeline_schedules.activations_in_flight`."""
+    chosen = SCHEDULES[schedule] if schedule else default_schedule(vp)
+    return activations_in_flight(chosen, stage, pp, vp, micro_batches).forwards
+
+
+def weight_pass_inputs_bytes_per_layer(m: ModelShape, micro_batch: int, tp: int, sequence_parallel: bool,
+                                       precision: str = "fp16", context_parallel: int = 1) -> float:
+    """Bytes one layer keeps between a micro-batch's input backward and its
+    weight pass under a split backward, on one GPU: torch's
+    ``stage_backward_input`` keeps the gradient flowing into each operation
+    that has weights (``param_groups``' ``grads``): the fused q/k/v
+    projection's output (``3h / T``), the output projection's and the second
+    FFN matrix's (``h`` each, before their all-reduce or reduce-scatter), the
+    first FFN matrix's (``f / T``) and the two layer norms' (``h``, ``/ T``
+    with sequence parallelism): ``s*b*(7h + f)`` elements without tensor
+    parallelism, in the activations' dtype."""
+    s, b, h, f, t = m.seq_len / context_parallel, micro_batch, m.hidden, m.ffn, tp
+    norms = 2 * h / (t if sequence_parallel else 1)
+    return ACTIVATION_BYTES[precision] * s * b * (3 * h / t + f / t + 2 * h + norms)
 
 
 def _pipeline_and_backward_bytes(m: ModelShape, tp: int, pp: int, cp: int, in_flight: int, training: Training,
@@ -269,12 +300,16 @@ def _pipeline_and_backward_bytes(m: ModelShape, tp: int, pp: int, cp: int, in_fl
 
 
 def stage_memory(m: ModelShape, tp: int, pp: int, dp: int, accumulation: int, training: Training,
-                 cp: int = 1, vp: int = 1, stage: str = "first", mask_bytes: float = 1) -> StageMemory:
+                 cp: int = 1, vp: int = 1, stage: str = "first", mask_bytes: float = 1,
+                 schedule: Optional[str] = None) -> StageMemory:
     """The memory of one GPU of the ``"first"`` pipeline stage (the
     embedding, ``L / PP`` layers and the most micro-batches in flight) or
     of the ``"last"`` (its layers, the final layer norm, the tied output
     projection's copy of the embedding, and the logits); the same with one
-    stage.
+    stage. ``schedule``: a ``--pipeline-schedule`` name (default: what
+    fairseq-train runs with ``vp`` chunks, :func:`default_schedule`); under
+    the V-shaped ones the first stage holds both ends of the model and the
+    last neither (this module's docstring).
 
     Under fully sharded data parallelism (FSDP2, one unit per decoder layer
     and one for the rest) every rank keeps fp32 weights, fp32 gradients and
@@ -289,11 +324,15 @@ def stage_memory(m: ModelShape, tp: int, pp: int, dp: int, accumulation: int, tr
     """
     w_b, g_b, o_b = BYTES_PER_PARAM[training.precision]
     t, layers = tp, m.layers // pp
-    first, last = stage == "first", stage == "last" or pp == 1
-    embed = m.embedding_parameters() if first else m.vocab * m.hidden
+    chosen = SCHEDULES[schedule] if schedule else default_schedule(vp)
+    first, last = stage == "first", stage == "last" or pp == 1  # the stage holds the first chunk; the last chunk
+    if pp > 1 and chosen.placement == V_SHAPE:
+        last = first  # stage 0 holds both ends, stage P - 1 neither
+    embed = m.embedding_parameters() if first else (m.vocab * m.hidden if last else 0)
     params = (embed + m.layer_parameters() * layers) // t + (2 * m.hidden if last else 0)
-    stage_index = 0 if first else pp - 1
-    in_flight = chunk_passes_in_flight(stage_index, pp, vp, accumulation)
+    stage_index = 0 if stage == "first" else pp - 1
+    peak = activations_in_flight(chosen, stage_index, pp, vp, accumulation)
+    in_flight = peak.forwards
     per_layer = functools.partial(activation_bytes_per_layer, m, training.micro_batch, t, training.sequence_parallel,
                                   flash_attention=training.flash_attention, precision=training.precision,
                                   context_parallel=cp, mask_bytes=mask_bytes)
@@ -302,11 +341,16 @@ def stage_memory(m: ModelShape, tp: int, pp: int, dp: int, accumulation: int, tr
     kept = per_layer(checkpointing=training.checkpointing) * layers * in_flight / vp
     act, host = (0, kept) if training.offloading else (kept, 0)
     act += ends(first, False) * in_flight / vp + _pipeline_and_backward_bytes(m, t, pp, cp, in_flight, training,
-                                                                            stage == "last")
+                                                                            last)
     if training.checkpointing:
         act += per_layer(checkpointing=False)  # the layer being recomputed
     if last:
         act += ends(False, True)  # one micro-batch's logits: the last stage runs its backward at once
+    if peak.weight_passes:  # the gradients a split backward keeps for its weight passes
+        act += peak.weight_passes * layers / vp * weight_pass_inputs_bytes_per_layer(
+            m, training.micro_batch, t, training.sequence_parallel, training.precision, cp)
+        if last:  # the logits' gradient, for the output projection's weight pass
+            act += peak.weight_passes * training.activation_bytes * m.seq_len * training.micro_batch / cp * m.vocab / t
     if training.optimizer == "adam":
         state = ADAM_MOMENT_BYTES * params
     else:

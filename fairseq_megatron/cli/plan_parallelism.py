@@ -80,6 +80,18 @@ def non_negative(text: str) -> float:
     return value
 
 
+def _add_pipeline_arguments(p) -> None:
+    """--tp, --pp, --vp and --pipeline-schedule."""
+    p.add_argument("--tp", type=positive(int), help="only this tensor-parallel size")
+    p.add_argument("--pp", type=positive(int), help="only this pipeline-parallel size")
+    p.add_argument("--vp", "--virtual-pipeline-model-parallel-size", dest="vp", type=positive(int),
+                   help="model chunks per pipeline stage (the interleaved schedules; default: the fastest that fits)")
+    p.add_argument("--pipeline-schedule", metavar="NAME",
+                   help="plan every layout of several stages with this schedule of fairseq-train's "
+                        "--pipeline-schedule: 1f1b, interleaved-1f1b, interleaved-zb, zbv or dualpipev (default: "
+                        "1f1b, or interleaved-1f1b with more than one chunk per stage, as fairseq-train)")
+
+
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", help="an arch of this package, e.g. transformer_lm_megatron_11b")
@@ -129,14 +141,7 @@ def build_parser():
     p.add_argument("--compile-layers", dest="fused_elementwise", action="store_true",
                    help="fairseq-train's --compile-layers: time each dropout and its residual add as one fused "
                         "kernel (as the Megatron-LM paper's fused bias-dropout-add)")
-    p.add_argument("--tp", type=positive(int), help="only this tensor-parallel size")
-    p.add_argument("--pp", type=positive(int), help="only this pipeline-parallel size")
-    p.add_argument("--vp", "--virtual-pipeline-model-parallel-size", dest="vp", type=positive(int),
-                   help="model chunks per pipeline stage (the interleaved schedules; default: the fastest that fits)")
-    p.add_argument("--pipeline-schedule", metavar="NAME",
-                   help="plan every layout of several stages with this schedule of fairseq-train's "
-                        "--pipeline-schedule: 1f1b, interleaved-1f1b, interleaved-zb, zbv or dualpipev (default: "
-                        "1f1b, or interleaved-1f1b with more than one chunk per stage, as fairseq-train)")
+    _add_pipeline_arguments(p)
     p.add_argument("--cp", "--context-parallel-size", dest="cp", type=positive(int), default=1,
                    help="context-parallel size of every layout (default 1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -254,6 +259,18 @@ def print_dry_runs(runs, layout) -> None:
               + f"; peak {measured['peak'] / 1e9:.3g} (predicted total {predicted['peak'] / 1e9:.3g})")
 
 
+def _fully_sharded_alternative(shape, request, args):
+    """The request's layouts fully sharded, where it asks for no sharding
+    of its own; None where none runs (a --pipeline-schedule that splits the
+    backward at a requested --pp)."""
+    if args.fully_sharded or args.zero_sharding or args.precision == "bf16":
+        return None
+    try:
+        return plan(shape, **request, fully_sharded="zero3")
+    except PlanError:
+        return None
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -267,17 +284,11 @@ def main(argv=None) -> int:
                        zero_sharding=args.zero_sharding, optimizer=args.optimizer, cp=args.cp, vp=args.vp, gpu=gpu,
                        margin_gb=margin, fused_elementwise=args.fused_elementwise,
                        schedule=args.pipeline_schedule)
-        if args.pipeline_schedule is not None and args.dry_run and \
-                args.pipeline_schedule not in ("1f1b", "interleaved-1f1b"):
+        if args.dry_run and args.pipeline_schedule not in (None, "1f1b", "interleaved-1f1b"):
             raise PlanError(f"--dry-run runs the 1f1b and interleaved-1f1b schedules' order of passes, not "
                             f"--pipeline-schedule {args.pipeline_schedule}'s")
         layouts = plan(shape, **request, fully_sharded=args.fully_sharded)
-        alternative = None
-        if not (args.fully_sharded or args.zero_sharding or args.precision == "bf16"):
-            try:
-                alternative = plan(shape, **request, fully_sharded="zero3")
-            except PlanError:  # none under full sharding: a --pipeline-schedule that splits the backward, at --pp
-                alternative = None
+        alternative = _fully_sharded_alternative(shape, request, args)
     except PlanError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

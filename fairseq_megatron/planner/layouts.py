@@ -92,12 +92,10 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
     size of every layout. ``gpu``: the hardware the steps are timed on
     (default: the ``a100-80gb`` preset); ``gpu_memory_gb`` is its memory, of
     which ``margin_gb`` (default :func:`default_margin_gb`) is kept free.
-    ``fused_elementwise``: ``--compile-layers`` (``Training``).
-    ``schedule``: a ``--pipeline-schedule`` name; every layout of several
-    stages then runs it, at the chunks it fixes or (``vp`` unset) the
-    fastest it can run, where fairseq-train's checks of the schedule
-    (:func:`~fairseq_megatron.training.pipeline_schedules.check_schedule`)
-    and of fully sharded data parallelism (no split backward) pass.
+    ``fused_elementwise``: ``--compile-layers`` (``Training``). ``schedule``:
+    a ``--pipeline-schedule`` name that every layout of several stages runs
+    where fairseq-train's checks pass (:func:`schedule_refusal`; no split
+    backward fully sharded), at its chunks or the fastest it can run.
 
     Valid: TP divides the heads and the FFN size and stays within a node
     (TP divides ``gpus_per_node``), PP divides the layers, DP = gpus / (TP*PP*CP)
@@ -107,9 +105,8 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
     1F1B schedule needs one per stage). With PP > 1 each layout takes the
     fastest number of model chunks per stage ``VP`` that fits (the
     interleaved schedule: ``VP`` divides the layers per stage, and PP the
-    micro batches); ``vp`` fixes it.
-
-    ``tp`` / ``pp`` restrict the search to one tensor / pipeline size.
+    micro batches); ``vp`` fixes it. ``tp`` / ``pp`` restrict the search
+    to one tensor / pipeline size.
 
     Raises:
         PlanError: an unknown precision, optimizer or sharding; the global
@@ -118,39 +115,24 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
             requested ``pp`` does not divide the layers, ``vp`` does not
             divide the layers of a stage, ``cp`` does not divide the GPUs or
             half the sequence; a margin of all the memory; no layout is
-            valid (the message says why); fairseq-train's refusal of the
-            ``schedule`` at a requested ``pp`` and ``vp`` (an unknown name,
-            chunks it does not run, layers not divisible by the chunks).
+            valid (the message says why); fairseq-train's refusal of ``schedule``.
     """
     training = Training(micro_batch, precision, checkpointing or offloading, sequence_parallel, flash_attention,
                         offloading, zero_sharding, optimizer, fully_sharded, fused_elementwise)
     training.check()
     cluster = Cluster(gpus, gpus_per_node, dataclasses.replace(gpu or GPUS["a100-80gb"], memory_gb=gpu_memory_gb))
     cluster.check()
-    margin = default_margin_gb(gpu_memory_gb) if margin_gb is None else margin_gb
-    if not 0 <= margin < gpu_memory_gb:
-        raise PlanError(f"a memory margin of {margin:g} GB leaves nothing of the GPU's {gpu_memory_gb:g} GB")
+    margin = _checked_margin(gpu_memory_gb, margin_gb)
     _check_context_parallel(m, gpus, cp)
-    if schedule is not None:
-        refused = schedule_refusal(m, schedule, pp or 1, vp, None, fused_elementwise)
-        if refused:
-            raise PlanError(refused)
+    refused = schedule is not None and schedule_refusal(m, schedule, pp or 1, vp, None, fused_elementwise)
+    if refused:
+        raise PlanError(refused)
     candidates = candidate_layouts(m, gpus // cp, gpus_per_node, micro_batch, global_batch, tp, pp, stride=cp)
     layouts = [lay for lay in (_fastest_chunks(m, candidate, training, cluster, cp, vp, gpu_memory_gb - margin,
                                                schedule) for candidate in candidates) if lay is not None]
-    if not layouts and schedule is not None:
-        raise PlanError(f"no layout runs --pipeline-schedule {schedule}"
-                        + (" with fully sharded data parallelism (its split backward's weight pass adds its "
-                           "gradients outside the reduce-scatter)" if fully_sharded else "")
-                        + (f" at --vp {vp}" if vp is not None else "")
-                        + ": it needs the layers of a stage divisible by its chunks and enough micro batches per "
-                          "update (fairseq-train --pipeline-schedule)")
-    if not layouts and vp is not None:
-        raise PlanError(f"no layout gives its pipeline stages {vp} model chunks each (the interleaved schedule "
-                        f"needs the layers of a stage divisible by {vp} and the micro batches per update by the "
-                        f"stages)")
     if not layouts:
-        raise PlanError(_why_no_layout(m, gpus, gpus_per_node, micro_batch, global_batch))
+        raise PlanError(_why_no_layout(m, gpus, gpus_per_node, micro_batch, global_batch, vp, schedule,
+                                       fully_sharded))
     return layouts
 
 
@@ -212,6 +194,14 @@ def chunk_counts(stage_layers: int, pp: int, accumulation: int) -> List[int]:
     if pp == 1 or accumulation % pp:
         return [1]
     return _divisors(stage_layers)
+
+
+def _checked_margin(gpu_memory_gb: float, margin_gb: Optional[float]) -> float:
+    """The memory kept free (default :func:`default_margin_gb`); PlanError for all of it or less than none."""
+    margin = default_margin_gb(gpu_memory_gb) if margin_gb is None else margin_gb
+    if not 0 <= margin < gpu_memory_gb:
+        raise PlanError(f"a memory margin of {margin:g} GB leaves nothing of the GPU's {gpu_memory_gb:g} GB")
+    return margin
 
 
 def _check_context_parallel(m: ModelShape, gpus: int, cp: int) -> None:
@@ -284,7 +274,18 @@ def _divisors(n: int) -> List[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def _why_no_layout(m, gpus, gpus_per_node, micro_batch, global_batch) -> str:
+def _why_no_layout(m, gpus, gpus_per_node, micro_batch, global_batch, vp=None, schedule=None,
+                   fully_sharded=None) -> str:
+    if schedule is not None:
+        return (f"no layout runs --pipeline-schedule {schedule}"
+                + (" with fully sharded data parallelism (its split backward's weight pass adds its gradients "
+                   "outside the reduce-scatter)" if fully_sharded else "")
+                + (f" at --vp {vp}" if vp is not None else "")
+                + ": it needs the layers of a stage divisible by its chunks and enough micro batches per update "
+                  "(fairseq-train --pipeline-schedule)")
+    if vp is not None:
+        return (f"no layout gives its pipeline stages {vp} model chunks each (the interleaved schedule needs the "
+                f"layers of a stage divisible by {vp} and the micro batches per update by the stages)")
     tps = [t for t in _divisors(min(gpus_per_node, gpus)) if m.heads % t == 0 and m.ffn % t == 0]
     if not tps:
         return f"no tensor-parallel size within a node of {gpus_per_node} divides heads {m.heads} and FFN {m.ffn}"

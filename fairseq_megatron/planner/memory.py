@@ -97,7 +97,7 @@ Formulas (all per GPU, in bytes unless said otherwise):
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Optional, Tuple
 
 from fairseq_megatron.models.pipeline_stage import V_SHAPE
 from fairseq_megatron.planner.errors import PlanError
@@ -299,6 +299,37 @@ def _pipeline_and_backward_bytes(m: ModelShape, tp: int, pp: int, cp: int, in_fl
     return outputs * hidden + hidden / (tp if training.sequence_parallel else 1) + e * tokens * m.ffn / tp
 
 
+def _stage_activations(m: ModelShape, t: int, pp: int, cp: int, vp: int, accumulation: int, training: Training,
+                       chosen: Schedule, stage_index: int, first: bool, last: bool,
+                       mask_bytes: float) -> Tuple[float, float]:
+    """The most activation bytes stage ``stage_index`` holds at once on the
+    GPU, and in host memory (offloaded), under schedule ``chosen``; ``first``
+    and ``last``: it holds the model's first / last chunk."""
+    layers = m.layers // pp
+    peak = activations_in_flight(chosen, stage_index, pp, vp, accumulation)
+    in_flight = peak.forwards
+    per_layer = functools.partial(activation_bytes_per_layer, m, training.micro_batch, t, training.sequence_parallel,
+                                  flash_attention=training.flash_attention, precision=training.precision,
+                                  context_parallel=cp, mask_bytes=mask_bytes)
+    ends = functools.partial(model_ends_bytes, m, training.micro_batch, t, training.precision, context_parallel=cp,
+                             mask_bytes=mask_bytes, sequence_parallel=training.sequence_parallel)
+    kept = per_layer(checkpointing=training.checkpointing) * layers * in_flight / vp
+    act, host = (0, kept) if training.offloading else (kept, 0)
+    act += ends(first, False) * in_flight / vp + _pipeline_and_backward_bytes(m, t, pp, cp, in_flight, training,
+                                                                            last)
+    if training.checkpointing:
+        act += per_layer(checkpointing=False)  # the layer being recomputed
+    if last:
+        act += ends(False, True)  # one micro-batch's logits: the last stage runs its backward at once
+    if peak.weight_passes:  # the gradients a split backward keeps for its weight passes (an upper bound on the
+        # model's first chunk, whose whole backward torch runs at the weight pass: its input takes no gradient)
+        act += peak.weight_passes * layers / vp * weight_pass_inputs_bytes_per_layer(
+            m, training.micro_batch, t, training.sequence_parallel, training.precision, cp)
+        if last:  # the logits' gradient, for the output projection's weight pass
+            act += peak.weight_passes * training.activation_bytes * m.seq_len * training.micro_batch / cp * m.vocab / t
+    return act, host
+
+
 def stage_memory(m: ModelShape, tp: int, pp: int, dp: int, accumulation: int, training: Training,
                  cp: int = 1, vp: int = 1, stage: str = "first", mask_bytes: float = 1,
                  schedule: Optional[str] = None) -> StageMemory:
@@ -330,31 +361,12 @@ def stage_memory(m: ModelShape, tp: int, pp: int, dp: int, accumulation: int, tr
         last = first  # stage 0 holds both ends, stage P - 1 neither
     embed = m.embedding_parameters() if first else (m.vocab * m.hidden if last else 0)
     params = (embed + m.layer_parameters() * layers) // t + (2 * m.hidden if last else 0)
-    stage_index = 0 if stage == "first" else pp - 1
-    peak = activations_in_flight(chosen, stage_index, pp, vp, accumulation)
-    in_flight = peak.forwards
-    per_layer = functools.partial(activation_bytes_per_layer, m, training.micro_batch, t, training.sequence_parallel,
-                                  flash_attention=training.flash_attention, precision=training.precision,
-                                  context_parallel=cp, mask_bytes=mask_bytes)
-    ends = functools.partial(model_ends_bytes, m, training.micro_batch, t, training.precision, context_parallel=cp,
-                             mask_bytes=mask_bytes, sequence_parallel=training.sequence_parallel)
-    kept = per_layer(checkpointing=training.checkpointing) * layers * in_flight / vp
-    act, host = (0, kept) if training.offloading else (kept, 0)
-    act += ends(first, False) * in_flight / vp + _pipeline_and_backward_bytes(m, t, pp, cp, in_flight, training,
-                                                                            last)
-    if training.checkpointing:
-        act += per_layer(checkpointing=False)  # the layer being recomputed
-    if last:
-        act += ends(False, True)  # one micro-batch's logits: the last stage runs its backward at once
-    if peak.weight_passes:  # the gradients a split backward keeps for its weight passes
-        act += peak.weight_passes * layers / vp * weight_pass_inputs_bytes_per_layer(
-            m, training.micro_batch, t, training.sequence_parallel, training.precision, cp)
-        if last:  # the logits' gradient, for the output projection's weight pass
-            act += peak.weight_passes * training.activation_bytes * m.seq_len * training.micro_batch / cp * m.vocab / t
+    act, host = _stage_activations(m, t, pp, cp, vp, accumulation, training, chosen, 0 if stage == "first" else pp - 1,
+                                   first, last, mask_bytes)
     if training.optimizer == "adam":
         state = ADAM_MOMENT_BYTES * params
     else:
-        state = 4 * adafactor_state_elements(m, t, layers, embedding=True, final_norm=last)
+        state = 4 * adafactor_state_elements(m, t, layers, embedding=bool(embed), final_norm=last)
     gathered = 0.0
     shards = dp * cp  # fully sharded over the data- and context-parallel ranks, as gradients are averaged
     if training.fully_sharded:

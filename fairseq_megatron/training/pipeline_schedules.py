@@ -87,11 +87,11 @@ weight's operation (``param_groups``) for ``stage_backward_weight``. With
   stage, none waiting (DeepSeek-AI's DualPipe repository, table "based on
   the same number of PP stages": ``PP + 1`` chunks for ``PP = 2P`` stages
   on ``P`` devices). DualPipe, the bidirectional schedule of DeepSeek-V3
-  (DeepSeek-AI 2024, section 3.3.1), keeps two copies of the parameters;
-  DualPipeV, its V-shaped half that torch's ``ScheduleDualPipeV`` runs,
-  keeps one: each rank holds chunks ``s`` and ``2P - 1 - s`` (the table's
-  "2x" counts against one of ``2P`` stages), the same ``L / P`` layers as
-  1F1B at ``P``.
+  (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", section 3.2.1,
+  Table 2), keeps two copies of the parameters; DualPipeV, its V-shaped
+  half that torch's ``ScheduleDualPipeV`` runs, keeps one: each rank holds
+  chunks ``s`` and ``2P - 1 - s`` (the table's "2x" counts against one of
+  ``2P`` stages), the same ``L / P`` layers as 1F1B at ``P``.
 """
 
 from typing import NamedTuple, Optional

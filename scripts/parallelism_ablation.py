@@ -57,10 +57,11 @@ script exits 1 after the other rows.
 The ``PP2-*`` rows run PP2 under each other ``--pipeline-schedule``
 (``PP2`` itself is 1F1B): ``interleaved-1f1b`` at 2 chunks per stage,
 ``interleaved-zb`` at 1 (ZB-1P), ``zbv`` and ``dualpipev`` (2 chunks in a
-V); the planner predicts each rank's activations and peak
-(``rank{r}_predicted_activations_mib``, ``rank{r}_predicted_peak_mib``),
-printed beside the measured ones after the table and drawn as marks on
-the activations' axis.
+V); the planner predicts each rank's activations (what autograd saves,
+``rank{r}_predicted_saved_activations_mib``, the measured count; and with
+what it does not, ``rank{r}_predicted_activations_mib``) and peak
+(``rank{r}_predicted_peak_mib``), printed beside the measured ones after
+the table; the first is drawn as a mark on the activations' axis.
 
 ``--cpu --quick``: a 4 x 128 decoder (4 heads, FFN 512) on 8 sequences of 256
 tokens per iteration, 2 CPU processes per row (gloo, one thread each), a few
@@ -104,9 +105,10 @@ SPLITS = {  # what each layout splits over its ranks
 ANSWERS = "docs/benchmarks.md#parallelism-ablation"  # where is the split? why is memory uneven?
 RANKS = 2  # the most ranks a row uses: the CSV has their columns
 PARTS = ("parameters", "gradients", "optimizer", "activations")
+PREDICTED = ("saved_activations", "activations", "peak")  # each rank's memory as the planner predicts it
 CSV_FIELDS = (["layout", "iteration_ms", "cpu_ms", "predicted_ms", "peak_memory_mib", "loss", "world_size", "device"]
               + [f"rank{r}_{part}_mib" for r in range(RANKS) for part in PARTS + ("peak",)]
-              + [f"rank{r}_predicted_{part}_mib" for r in range(RANKS) for part in ("activations", "peak")]
+              + [f"rank{r}_predicted_{part}_mib" for r in range(RANKS) for part in PREDICTED]
               + ["status"])
 UNTIMED = 2  # iterations before timing starts
 PAD, SPECIALS = 1, 4  # fairseq's padding index and number of special symbols
@@ -501,9 +503,11 @@ def predicted_ms(row: Layout, shape: Shape, hardware, cpu: bool) -> float:
 def predicted_memory(row: Layout, shape: Shape, cpu: bool) -> List[dict]:
     """The planner's memory of each of ``row``'s ranks
     (:func:`fairseq_megatron.planner.memory.stage_memory`; rank 0 the first
-    pipeline stage, rank 1 the last), bytes: ``activations`` and ``peak``
-    (weights, gradients, optimizer state, what full sharding gathers, and
-    activations), as the rows run: fp32 on CPU with its dropout masks in
+    pipeline stage, rank 1 the last), bytes: ``saved_activations`` (what
+    autograd saves, the measured ``activations``' count), ``activations``
+    (with the stage's outputs in flight and the gradients of the backward
+    and of the weight passes) and ``peak`` (weights, gradients, optimizer
+    state, what full sharding gathers, and activations), as the rows run: fp32 on CPU with its dropout masks in
     fp32 and attention that keeps its probabilities (dropout), bf16
     autocast and flash attention on GPUs."""
     from fairseq_megatron.planner import ModelShape, Training, stage_memory
@@ -518,7 +522,8 @@ def predicted_memory(row: Layout, shape: Shape, cpu: bool) -> List[dict]:
         stage = "last" if row.pipeline > 1 and rank == row.pipeline - 1 else "first"
         held = stage_memory(model, row.tensor, row.pipeline, row.data, row.micro_batches, training, row.context,
                             row.chunks, stage, mask_bytes=4 if cpu else 1, schedule=row.schedule)
-        found.append({"activations": held.activations, "peak": held.total})
+        found.append({"saved_activations": held.activations - held.unsaved, "activations": held.activations,
+                      "peak": held.total})
     return found
 
 
@@ -592,15 +597,18 @@ def format_table(lines: List[dict]) -> str:
 
 
 def memory_table(lines: List[dict]) -> str:
-    """Each rank's activations and peak, measured beside the planner's
-    prediction (MiB), for the rows that ran with predictions."""
-    out = [f"{'layout':<22}{'rank':>5}{'activations MiB':>17}{'predicted':>11}{'peak MiB':>10}{'predicted':>11}"]
+    """Each rank's activations (what autograd saved) and peak, measured
+    beside the planner's prediction (MiB; the activations also with what
+    autograd does not save), for the rows that ran with predictions."""
+    out = [f"{'layout':<22}{'rank':>5}{'activations MiB':>17}{'predicted':>11}{'with unsaved':>14}"
+           f"{'peak MiB':>10}{'predicted':>11}"]
     for line in lines:
         if line["status"] != "ok" or "rank0_predicted_peak_mib" not in line:
             continue
         for r in range(line["world_size"]):
             out.append(f"{line['layout']:<22}{r:>5}{line[f'rank{r}_activations_mib']:>17.2f}"
-                       f"{line[f'rank{r}_predicted_activations_mib']:>11.2f}{line[f'rank{r}_peak_mib']:>10.2f}"
+                       f"{line[f'rank{r}_predicted_saved_activations_mib']:>11.2f}"
+                       f"{line[f'rank{r}_predicted_activations_mib']:>14.2f}{line[f'rank{r}_peak_mib']:>10.2f}"
                        f"{line[f'rank{r}_predicted_peak_mib']:>11.2f}")
     return "\n".join(out)
 
@@ -656,9 +664,9 @@ def draw_png(path: str, lines: List[dict]) -> None:
                 bottom += value
             act_axis.bar(position, line[f"rank{r}_activations_mib"], color=colors["activations"],
                          label="activations" if position == 0 else None)
-            if line.get(f"rank{r}_predicted_activations_mib") is not None:
-                act_axis.scatter(position, line[f"rank{r}_predicted_activations_mib"], color="black", marker="_",
-                                 s=300, label="predicted (planner)" if position == 0 else None, zorder=3)
+            if line.get(f"rank{r}_predicted_saved_activations_mib") is not None:
+                act_axis.scatter(position, line[f"rank{r}_predicted_saved_activations_mib"], color="black",
+                                 marker="_", s=300, label="predicted (planner)" if position == 0 else None, zorder=3)
             labels.append(f"{line['layout']} rank {r}")
             position += 1
     for axis, what in ((state_axis, "model state"), (act_axis, "activations (most alive at once)")):

@@ -171,8 +171,12 @@ class StageMemory:
     """One GPU's memory in bytes: ``params`` (elements held), ``weights``,
     ``gradients``, ``optimizer`` (state, master weights included),
     ``activations`` (the most alive at once), ``host`` (offloaded layer
-    inputs, in host memory) and ``gathered`` (what fully sharded training
-    gathers whole while it computes)."""
+    inputs, in host memory), ``gathered`` (what fully sharded training
+    gathers whole while it computes) and ``unsaved``, the part of
+    ``activations`` autograd does not save for the backward (what
+    :class:`~fairseq_megatron.training.memory.SavedActivations` does not
+    count): the stage's outputs in flight, the backward's gradients, the
+    gradients kept for weight passes."""
 
     params: int
     weights: float
@@ -181,6 +185,7 @@ class StageMemory:
     activations: float
     host: float
     gathered: float
+    unsaved: float = 0.0
 
     @property
     def total(self) -> float:
@@ -223,9 +228,11 @@ def activation_bytes_per_layer(m: ModelShape, micro_batch: int, tp: int, sequenc
     if checkpointing:
         return 2 * s * b * h * scale / c / (t if sequence_parallel else 1)
     r = m.ffn / h
-    attention_matrix = 0 if flash_attention else 5 * a * s * s * b / c
+    # without flash attention: the soft-max output and the dropout's output in the activations' dtype and its mask
+    # (the paper's 5 bytes per score in 16-bit with 1-byte masks)
+    attention_matrix = 0 if flash_attention else (2 * e + mask_bytes) * a * s * s * b / c
     replicated = s * b * h * (8 * scale + 2 * mask_bytes) / c  # layer norms' inputs and outputs, the two masks
-    split = s * b * h * (8 + 4 * r) * scale / c + attention_matrix * scale
+    split = s * b * h * (8 + 4 * r) * scale / c + attention_matrix
     kept = kept_weight_bytes(m, t, precision)
     return (replicated + split) / t + kept if sequence_parallel else replicated + split / t + kept
 
@@ -301,9 +308,10 @@ def _pipeline_and_backward_bytes(m: ModelShape, tp: int, pp: int, cp: int, in_fl
 
 def _stage_activations(m: ModelShape, t: int, pp: int, cp: int, vp: int, accumulation: int, training: Training,
                        chosen: Schedule, stage_index: int, first: bool, last: bool,
-                       mask_bytes: float) -> Tuple[float, float]:
+                       mask_bytes: float) -> Tuple[float, float, float]:
     """The most activation bytes stage ``stage_index`` holds at once on the
-    GPU, and in host memory (offloaded), under schedule ``chosen``; ``first``
+    GPU, in host memory (offloaded), and of the first those autograd does not
+    save (``StageMemory.unsaved``), under schedule ``chosen``; ``first``
     and ``last``: it holds the model's first / last chunk."""
     layers = m.layers // pp
     peak = activations_in_flight(chosen, stage_index, pp, vp, accumulation)
@@ -315,19 +323,22 @@ def _stage_activations(m: ModelShape, t: int, pp: int, cp: int, vp: int, accumul
                              mask_bytes=mask_bytes, sequence_parallel=training.sequence_parallel)
     kept = per_layer(checkpointing=training.checkpointing) * layers * in_flight / vp
     act, host = (0, kept) if training.offloading else (kept, 0)
-    act += ends(first, False) * in_flight / vp + _pipeline_and_backward_bytes(m, t, pp, cp, in_flight, training,
-                                                                            last)
+    unsaved = _pipeline_and_backward_bytes(m, t, pp, cp, in_flight, training, last)
+    act += ends(first, False) * in_flight / vp + unsaved
     if training.checkpointing:
         act += per_layer(checkpointing=False)  # the layer being recomputed
+    tokens = m.seq_len * training.micro_batch / cp
     if last:
         act += ends(False, True)  # one micro-batch's logits: the last stage runs its backward at once
+        unsaved += (training.activation_bytes + 4) * tokens * m.vocab / t  # their gradient, fp32 and the logits'
+    kept_for_weights = 0.0
     if peak.weight_passes:  # the gradients a split backward keeps for its weight passes (an upper bound on the
         # model's first chunk, whose whole backward torch runs at the weight pass: its input takes no gradient)
-        act += peak.weight_passes * layers / vp * weight_pass_inputs_bytes_per_layer(
+        kept_for_weights = peak.weight_passes * layers / vp * weight_pass_inputs_bytes_per_layer(
             m, training.micro_batch, t, training.sequence_parallel, training.precision, cp)
         if last:  # the logits' gradient, for the output projection's weight pass
-            act += peak.weight_passes * training.activation_bytes * m.seq_len * training.micro_batch / cp * m.vocab / t
-    return act, host
+            kept_for_weights += peak.weight_passes * training.activation_bytes * tokens * m.vocab / t
+    return act + kept_for_weights, host, unsaved + kept_for_weights
 
 
 def stage_memory(m: ModelShape, tp: int, pp: int, dp: int, accumulation: int, training: Training,
@@ -361,7 +372,7 @@ def stage_memory(m: ModelShape, tp: int, pp: int, dp: int, accumulation: int, tr
         last = first  # stage 0 holds both ends, stage P - 1 neither
     embed = m.embedding_parameters() if first else (m.vocab * m.hidden if last else 0)
     params = (embed + m.layer_parameters() * layers) // t + (2 * m.hidden if last else 0)
-    act, host = _stage_activations(m, t, pp, cp, vp, accumulation, training, chosen, 0 if stage == "first" else pp - 1,
+    act, host, unsaved = _stage_activations(m, t, pp, cp, vp, accumulation, training, chosen, 0 if stage == "first" else pp - 1,
                                    first, last, mask_bytes)
     if training.optimizer == "adam":
         state = ADAM_MOMENT_BYTES * params
@@ -379,4 +390,4 @@ def stage_memory(m: ModelShape, tp: int, pp: int, dp: int, accumulation: int, tr
         master = (o_b - ADAM_MOMENT_BYTES) * params  # fp32 master weights (--fp16): 4 bytes each
         grads = params * g_b
         weights, optim = params * w_b, master + (state / shards if training.zero_sharding else state)
-    return StageMemory(params, weights, grads, optim, act, host, gathered)
+    return StageMemory(params, weights, grads, optim, act, host, gathered, unsaved)

@@ -30,13 +30,15 @@ SCALING_TABLE = [
 ]
 
 
-def _saved_bytes_of_one_layer(dtype) -> int:
+def _saved_bytes_of_one_layer(dtype, attention_dropout: float = 0.0) -> int:
     """Bytes autograd keeps for one decoder layer in ``dtype`` (training,
     hidden dropout on), measured with saved-tensor hooks on CPU, excluding
-    parameters. Attention dropout is off so CPU's scaled_dot_product_attention
-    takes its flash kernel (no s^2 matrix), matching the flash-attention formula."""
+    parameters. Without attention dropout CPU's scaled_dot_product_attention
+    takes its flash kernel (no s^2 matrix), matching the flash-attention
+    formula; with it, its math kernel keeps the scores' soft-max, the
+    dropout's mask and output."""
     s, b, h, heads, ffn = 128, 2, 64, 4, 256
-    model, _ = build_model(1, dropout=0.1, attention_dropout=0.0, decoder_embed_dim=h,
+    model, _ = build_model(1, dropout=0.1, attention_dropout=attention_dropout, decoder_embed_dim=h,
                            decoder_attention_heads=heads, decoder_ffn_embed_dim=ffn)
     layer = model.decoder.layers[0].to(dtype).train()
     x = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
@@ -125,6 +127,13 @@ def test_activation_estimate_matches_saved_tensors():
                                               flash_attention=True, precision=precision,
                                               mask_bytes=torch.finfo(dtype).bits // 8)
         assert estimate == pytest.approx(measured, rel=0.03), precision
+    # attention dropout on (the ablation's CPU rows): a*s^2*b scores, each kept as the soft-max and the dropout's
+    # output in fp32 and its mask in fp32 (CPU), 12 bytes; the planner counted 10, the paper's 5 of 16-bit at
+    # twice the width, and came out 9.5% below the layer (seen: 0.15% below it now)
+    measured = _saved_bytes_of_one_layer(torch.float32, attention_dropout=0.1)
+    estimate = activation_bytes_per_layer(shape, 2, 1, sequence_parallel=False, checkpointing=False,
+                                          flash_attention=False, precision="fp32", mask_bytes=4)
+    assert estimate == pytest.approx(measured, rel=0.03)
 
 
 def test_layouts_and_recommendation():

@@ -276,11 +276,14 @@ def _divisors(n: int) -> List[int]:
 
 def _why_no_layout(m, gpus, gpus_per_node, micro_batch, global_batch, vp=None, schedule=None,
                    fully_sharded=None) -> str:
+    from fairseq_megatron.training.pipeline_schedules import SCHEDULES
+
+    if schedule is not None and fully_sharded and SCHEDULES[schedule].splits_backward:
+        return (f"--pipeline-schedule {schedule} does not work with fully sharded data parallelism (fairseq-train "
+                f"refuses it: torch's weight pass adds its gradients outside FSDP2's reduce-scatter); plan without "
+                f"--fully-sharded, or with --pipeline-schedule 1f1b or interleaved-1f1b")
     if schedule is not None:
-        return (f"no layout runs --pipeline-schedule {schedule}"
-                + (" with fully sharded data parallelism (its split backward's weight pass adds its gradients "
-                   "outside the reduce-scatter)" if fully_sharded else "")
-                + (f" at --vp {vp}" if vp is not None else "")
+        return (f"no layout runs --pipeline-schedule {schedule}" + (f" at --vp {vp}" if vp is not None else "")
                 + ": it needs the layers of a stage divisible by its chunks and enough micro batches per update "
                   "(fairseq-train --pipeline-schedule)")
     if vp is not None:

@@ -74,7 +74,10 @@ Formulas (all per GPU, in bytes unless said otherwise):
   as the paper counts: this package's layer calls ``F.gelu`` (fairseq's
   ``gelu`` would keep an fp32 copy, ``2*r*s*b*h/t`` more). With flash attention
   (``scaled_dot_product_attention``, as this package uses) the ``5*a*s^2*b``
-  term of the attention matrix is not stored.
+  term of the attention matrix is not stored; without it each of the
+  ``a*s^2*b`` scores keeps its soft-max and the dropout's output in the
+  activations' dtype and the dropout's mask (``2e + mask_bytes``: the
+  paper's 5 in 16-bit).
 * Micro-batches in flight (torch's schedules, :mod:`fairseq_megatron.training.pipeline_schedule`):
   a stage keeps each chunk forward's activations until its backward, or
   under the schedules that split the backward until its weight pass; how

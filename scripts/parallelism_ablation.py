@@ -54,6 +54,15 @@ refused by the launch checks fairseq-train runs first, or a failed rank) is
 reported with its error line, in the table and the CSV's ``status``, and the
 script exits 1 after the other rows.
 
+The ``PP2-*`` rows run PP2 under each other ``--pipeline-schedule``
+(``PP2`` itself is 1F1B): ``interleaved-1f1b`` at 2 chunks per stage,
+``interleaved-zb`` at 1 (ZB-1P), ``zbv`` and ``dualpipev`` (2 chunks in a
+V); the planner predicts each rank's activations (what autograd saves,
+``rank{r}_predicted_saved_activations_mib``, the measured count; and with
+what it does not, ``rank{r}_predicted_activations_mib``) and peak
+(``rank{r}_predicted_peak_mib``), printed beside the measured ones after
+the table; the first is drawn as a mark on the activations' axis.
+
 ``--cpu --quick``: a 4 x 128 decoder (4 heads, FFN 512) on 8 sequences of 256
 tokens per iteration, 2 CPU processes per row (gloo, one thread each), a few
 minutes in all. ``--cpu --shape compute``: a 4 x 512 decoder (8 heads, FFN
@@ -81,17 +90,26 @@ from typing import List, Optional
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-LAYOUTS = ("baseline", "DP2", "TP2", "SP2", "CP2", "PP2", "FSDP2")
+SCHEDULE_ROWS = {  # the PP2 row under each --pipeline-schedule: (schedule, chunks per stage)
+    "PP2-interleaved-1f1b": ("interleaved-1f1b", 2), "PP2-interleaved-zb": ("interleaved-zb", 1),
+    "PP2-zbv": ("zbv", 2), "PP2-dualpipev": ("dualpipev", 2),
+}
+LAYOUTS = ("baseline", "DP2", "TP2", "SP2", "CP2", "PP2", "FSDP2", *SCHEDULE_ROWS)
 SPLITS = {  # what each layout splits over its ranks
     "baseline": "nothing", "DP2": "the batch (model copies)", "TP2": "heads and FFN units",
-    "SP2": "heads, FFN units; sequence", "CP2": "the sequence", "PP2": "the layers",
-    "FSDP2": "the batch; shards of every tensor",
+    "SP2": "heads, FFN units; sequence", "CP2": "the sequence", "PP2": "the layers (1F1B)",
+    "FSDP2": "the batch; shards of every tensor", "PP2-interleaved-1f1b": "the layers, 2 chunks per stage",
+    "PP2-interleaved-zb": "the layers; backward split (ZB-1P)", "PP2-zbv": "the layers, 2 chunks in a V; split",
+    "PP2-dualpipev": "the layers, 2 chunks in a V; DualPipeV",
 }
 ANSWERS = "docs/benchmarks.md#parallelism-ablation"  # where is the split? why is memory uneven?
 RANKS = 2  # the most ranks a row uses: the CSV has their columns
 PARTS = ("parameters", "gradients", "optimizer", "activations")
+PREDICTED = ("saved_activations", "activations", "peak")  # each rank's memory as the planner predicts it
 CSV_FIELDS = (["layout", "iteration_ms", "cpu_ms", "predicted_ms", "peak_memory_mib", "loss", "world_size", "device"]
-              + [f"rank{r}_{part}_mib" for r in range(RANKS) for part in PARTS + ("peak",)] + ["status"])
+              + [f"rank{r}_{part}_mib" for r in range(RANKS) for part in PARTS + ("peak",)]
+              + [f"rank{r}_predicted_{part}_mib" for r in range(RANKS) for part in PREDICTED]
+              + ["status"])
 UNTIMED = 2  # iterations before timing starts
 PAD, SPECIALS = 1, 4  # fairseq's padding index and number of special symbols
 SUCCESSORS = 8  # likely successors of each token in the synthetic data
@@ -135,6 +153,8 @@ class Layout:
     data: int = 1
     micro_batches: int = 1
     flags: tuple = ()
+    schedule: Optional[str] = None  # --pipeline-schedule (None: fairseq-train's default)
+    chunks: int = 1  # model chunks per pipeline stage
 
     def rows(self, shape: Shape) -> int:
         return shape.batch // (self.data * self.micro_batches)
@@ -151,6 +171,10 @@ def layout(name: str) -> Layout:
         "PP2": Layout("PP2", 2, pipeline=2, micro_batches=4),
         "FSDP2": Layout("FSDP2", 2, data=2, flags=("--ddp-backend", "fully_sharded")),
     }
+    for row, (schedule, chunks) in SCHEDULE_ROWS.items():
+        flags = ("--pipeline-schedule", schedule) + (("--virtual-pipeline-model-parallel-size", str(chunks))
+                                                     if schedule.startswith("interleaved") else ())
+        layouts[row] = Layout(row, 2, pipeline=2, micro_batches=4, flags=flags, schedule=schedule, chunks=chunks)
     return layouts[name]
 
 
@@ -470,14 +494,42 @@ def predicted_ms(row: Layout, shape: Shape, hardware, cpu: bool) -> float:
     model = ModelShape(shape.layers, shape.hidden, shape.heads, shape.ffn, shape.padded_vocab, shape.seq_len)
     layouts = plan(model, row.world_size, row.world_size, hardware.memory_gb, row.rows(shape), shape.batch,
                    precision="fp32" if cpu else "bf16-autocast", flash_attention=not cpu, tp=row.tensor,
-                   pp=row.pipeline, cp=row.context, vp=1, gpu=hardware,
+                   pp=row.pipeline, cp=row.context, vp=row.chunks, gpu=hardware, schedule=row.schedule,
                    fully_sharded="zero3" if "fully_sharded" in row.flags else None,
                    sequence_parallel="--sequence-parallel" in row.flags)
     return round(layouts[0].predicted_step_seconds * 1e3, 1)
 
 
+def predicted_memory(row: Layout, shape: Shape, cpu: bool) -> List[dict]:
+    """The planner's memory of each of ``row``'s ranks
+    (:func:`fairseq_megatron.planner.memory.stage_memory`; rank 0 the first
+    pipeline stage, rank 1 the last), bytes: ``saved_activations`` (what
+    autograd saves, the measured ``activations``' count), ``activations``
+    (with the stage's outputs in flight and the gradients of the backward
+    and of the weight passes) and ``peak`` (weights, gradients, optimizer
+    state, what full sharding gathers, and activations), as the rows run: fp32 on CPU with its dropout masks in
+    fp32 and attention that keeps its probabilities (dropout), bf16
+    autocast and flash attention on GPUs."""
+    from fairseq_megatron.planner import ModelShape, Training, stage_memory
+
+    model = ModelShape(shape.layers, shape.hidden, shape.heads, shape.ffn, shape.padded_vocab, shape.seq_len)
+    precision = "fp32" if cpu else "bf16-autocast"
+    training = Training(row.rows(shape), precision, sequence_parallel="--sequence-parallel" in row.flags,
+                        flash_attention=not cpu,
+                        fully_sharded="zero3" if "fully_sharded" in row.flags else None)
+    found = []
+    for rank in range(row.world_size):
+        stage = "last" if row.pipeline > 1 and rank == row.pipeline - 1 else "first"
+        held = stage_memory(model, row.tensor, row.pipeline, row.data, row.micro_batches, training, row.context,
+                            row.chunks, stage, mask_bytes=4 if cpu else 1, schedule=row.schedule)
+        found.append({"saved_activations": held.activations - held.unsaved, "activations": held.activations,
+                      "peak": held.total})
+    return found
+
+
 def add_predictions(lines: List[dict], shape: Shape, cpu: bool) -> None:
-    """``predicted_ms`` of every row that ran, on the rates :func:`measured_cpu` measures."""
+    """``predicted_ms`` of every row that ran, on the rates :func:`measured_cpu` measures,
+    and each rank's predicted memory (:func:`predicted_memory`)."""
     measured = [line["all_reduce_seconds"] for line in lines if "all_reduce_seconds" in line]
     hardware = measured_cpu(statistics.median(measured) if measured else None) if cpu else None
     if hardware is None:
@@ -487,6 +539,9 @@ def add_predictions(lines: List[dict], shape: Shape, cpu: bool) -> None:
     for line in lines:
         if line["status"] == "ok":
             line["predicted_ms"] = predicted_ms(layout(line["layout"]), shape, hardware, cpu)
+            for r, held in enumerate(predicted_memory(layout(line["layout"]), shape, cpu)):
+                for part, value in held.items():
+                    line[f"rank{r}_predicted_{part}_mib"] = _mib(value)
 
 
 APART = 0.10  # predicted times closer than this are within the spread of one row's runs on a shared CPU
@@ -541,6 +596,23 @@ def format_table(lines: List[dict]) -> str:
     return "\n".join(out)
 
 
+def memory_table(lines: List[dict]) -> str:
+    """Each rank's activations (what autograd saved) and peak, measured
+    beside the planner's prediction (MiB; the activations also with what
+    autograd does not save), for the rows that ran with predictions."""
+    out = [f"{'layout':<22}{'rank':>5}{'activations MiB':>17}{'predicted':>11}{'with unsaved':>14}"
+           f"{'peak MiB':>10}{'predicted':>11}"]
+    for line in lines:
+        if line["status"] != "ok" or "rank0_predicted_peak_mib" not in line:
+            continue
+        for r in range(line["world_size"]):
+            out.append(f"{line['layout']:<22}{r:>5}{line[f'rank{r}_activations_mib']:>17.2f}"
+                       f"{line[f'rank{r}_predicted_saved_activations_mib']:>11.2f}"
+                       f"{line[f'rank{r}_predicted_activations_mib']:>14.2f}{line[f'rank{r}_peak_mib']:>10.2f}"
+                       f"{line[f'rank{r}_predicted_peak_mib']:>11.2f}")
+    return "\n".join(out)
+
+
 def write_csv(path: str, lines: List[dict]) -> None:
     """``lines`` under :data:`CSV_FIELDS`, written under a temporary name of its own and renamed."""
     from fairseq_megatron.files import written_whole
@@ -592,6 +664,9 @@ def draw_png(path: str, lines: List[dict]) -> None:
                 bottom += value
             act_axis.bar(position, line[f"rank{r}_activations_mib"], color=colors["activations"],
                          label="activations" if position == 0 else None)
+            if line.get(f"rank{r}_predicted_saved_activations_mib") is not None:
+                act_axis.scatter(position, line[f"rank{r}_predicted_saved_activations_mib"], color="black",
+                                 marker="_", s=300, label="predicted (planner)" if position == 0 else None, zorder=3)
             labels.append(f"{line['layout']} rank {r}")
             position += 1
     for axis, what in ((state_axis, "model state"), (act_axis, "activations (most alive at once)")):
@@ -674,6 +749,7 @@ def main(argv=None) -> int:
           + (f"; each row's fastest of {args.rounds} rounds" if args.rounds > 1 else ""))
     print(format_table(lines))
     print(orderings(lines))
+    print(memory_table(lines))
     if args.csv:
         write_csv(args.csv, lines)
     if args.png:

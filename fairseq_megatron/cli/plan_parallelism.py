@@ -6,7 +6,8 @@
         [--gpu-memory GB] [--memory-margin GB] [--peak-tflops F] [--memory-bandwidth GB/s] \\
         [--intra-node-bandwidth GB/s] [--inter-node-bandwidth GB/s] [--optimizer adafactor] \\
         [--checkpoint-activations] [--offload-activations] [--sequence-parallel] [--zero-sharding] \\
-        [--fully-sharded [zero3|zero2]] [--tp T] [--pp P] [--vp V] [--cp C] [--json] [--png layouts.png] \\
+        [--fully-sharded [zero3|zero2]] [--tp T] [--pp P] [--vp V] [--cp C] \\
+        [--pipeline-schedule 1f1b|interleaved-1f1b|interleaved-zb|zbv|dualpipev] [--json] [--png layouts.png] \\
         [--dry-run]
 
 Lists every valid (TP, PP, DP) layout (with the fastest number of model
@@ -14,7 +15,11 @@ chunks per pipeline stage, and the context-parallel size asked for) with
 gradient accumulation steps, parameters and memory per GPU (weights,
 gradients, optimizer state, activations), its predicted time per step, model
 TFLOP/s per GPU and the share of each cost, and a recommendation: the
-fastest predicted that fits the GPU's memory less a margin. Without
+fastest predicted that fits the GPU's memory less a margin. With
+--pipeline-schedule every layout of several stages runs that schedule
+(fairseq-train's option: the same names and checks), its activations in
+flight and its bubble as fairseq_megatron/training/pipeline_schedules.py
+counts them. Without
 --fully-sharded it also plans each layout under fully sharded data
 parallelism. The formulas are in fairseq_megatron/planner/. Exit status 1
 when no layout fits (the table is still printed, and the PNG written;
@@ -75,11 +80,25 @@ def non_negative(text: str) -> float:
     return value
 
 
+def _add_pipeline_arguments(p) -> None:
+    """--tp, --pp, --vp and --pipeline-schedule."""
+    p.add_argument("--tp", type=positive(int), help="only this tensor-parallel size")
+    p.add_argument("--pp", type=positive(int), help="only this pipeline-parallel size")
+    p.add_argument("--vp", "--virtual-pipeline-model-parallel-size", dest="vp", type=positive(int),
+                   help="model chunks per pipeline stage (the interleaved schedules; default: the fastest that fits)")
+    p.add_argument("--pipeline-schedule", metavar="NAME",
+                   help="plan every layout of several stages with this schedule of fairseq-train's "
+                        "--pipeline-schedule: 1f1b, interleaved-1f1b, interleaved-zb, zbv or dualpipev (default: "
+                        "1f1b, or interleaved-1f1b with more than one chunk per stage, as fairseq-train)")
+
+
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", help="an arch of this package, e.g. transformer_lm_megatron_11b")
     for name in ("layers", "hidden", "heads", "ffn"):
         p.add_argument(f"--{name}", type=positive(int), help=f"{name} (overrides --arch)")
+    # fairseq-train's name, which its checks of --pipeline-schedule print
+    p.add_argument("--decoder-layers", dest="layers", type=positive(int), help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=positive(int), default=51200, help="padded vocabulary size")
     p.add_argument("--seq-len", type=positive(int), default=1024)
     p.add_argument("--learned-positions", action="store_true")
@@ -122,10 +141,7 @@ def build_parser():
     p.add_argument("--compile-layers", dest="fused_elementwise", action="store_true",
                    help="fairseq-train's --compile-layers: time each dropout and its residual add as one fused "
                         "kernel (as the Megatron-LM paper's fused bias-dropout-add)")
-    p.add_argument("--tp", type=positive(int), help="only this tensor-parallel size")
-    p.add_argument("--pp", type=positive(int), help="only this pipeline-parallel size")
-    p.add_argument("--vp", type=positive(int),
-                   help="model chunks per pipeline stage (the interleaved schedule; default: the fastest that fits)")
+    _add_pipeline_arguments(p)
     p.add_argument("--cp", "--context-parallel-size", dest="cp", type=positive(int), default=1,
                    help="context-parallel size of every layout (default 1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -243,6 +259,18 @@ def print_dry_runs(runs, layout) -> None:
               + f"; peak {measured['peak'] / 1e9:.3g} (predicted total {predicted['peak'] / 1e9:.3g})")
 
 
+def _fully_sharded_alternative(shape, request, args):
+    """The request's layouts fully sharded, where it asks for no sharding
+    of its own; None where none runs (a --pipeline-schedule that splits the
+    backward at a requested --pp)."""
+    if args.fully_sharded or args.zero_sharding or args.precision == "bf16":
+        return None
+    try:
+        return plan(shape, **request, fully_sharded="zero3")
+    except PlanError:
+        return None
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -254,11 +282,13 @@ def main(argv=None) -> int:
                        checkpointing=args.checkpoint_activations, sequence_parallel=args.sequence_parallel,
                        flash_attention=args.flash_attention, tp=args.tp, pp=args.pp, offloading=args.offload_activations,
                        zero_sharding=args.zero_sharding, optimizer=args.optimizer, cp=args.cp, vp=args.vp, gpu=gpu,
-                       margin_gb=margin, fused_elementwise=args.fused_elementwise)
+                       margin_gb=margin, fused_elementwise=args.fused_elementwise,
+                       schedule=args.pipeline_schedule)
+        if args.dry_run and args.pipeline_schedule not in (None, "1f1b", "interleaved-1f1b"):
+            raise PlanError(f"--dry-run runs the 1f1b and interleaved-1f1b schedules' order of passes, not "
+                            f"--pipeline-schedule {args.pipeline_schedule}'s")
         layouts = plan(shape, **request, fully_sharded=args.fully_sharded)
-        alternative = None
-        if not (args.fully_sharded or args.zero_sharding or args.precision == "bf16"):
-            alternative = plan(shape, **request, fully_sharded="zero3")
+        alternative = _fully_sharded_alternative(shape, request, args)
     except PlanError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -317,7 +317,7 @@ def _passes(model, criterion, chunks, optimizer, layout: Layout, training: Train
             optimizer.backward(criterion(model, batch())[0])
         return
     index = 0 if stage == "first" else layout.pp - 1
-    in_flight = chunk_passes_in_flight(index, layout.pp, layout.vp, layout.grad_accumulation)
+    in_flight = chunk_passes_in_flight(index, layout.pp, layout.vp, layout.grad_accumulation, layout.schedule)
     per_round = layout.grad_accumulation // max(1, layout.grad_accumulation // layout.pp)
     dtype = next(model.parameters()).dtype if training.precision in ("fp16", "memory-efficient-fp16") else \
         torch.float32

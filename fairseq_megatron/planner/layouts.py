@@ -5,11 +5,13 @@ step time (:mod:`~fairseq_megatron.planner.step_time`)."""
 
 import dataclasses
 import math
+from argparse import Namespace
 from typing import Dict, List, Optional, Tuple
 
+from fairseq_megatron.errors import UsageError
 from fairseq_megatron.planner.errors import PlanError
 from fairseq_megatron.planner.hardware import GPUS, GPU, Cluster
-from fairseq_megatron.planner.memory import Training, stage_memory
+from fairseq_megatron.planner.memory import Training, default_schedule, stage_memory
 from fairseq_megatron.planner.shape import ModelShape
 from fairseq_megatron.planner.step_time import step_time
 
@@ -23,7 +25,11 @@ class Layout:
     that holds the most), ``fits`` (``total_gb`` within the GPU's memory less
     the margin), the predicted seconds and model TFLOP/s per GPU of one step
     and each cost's share of it (:data:`~fairseq_megatron.planner.step_time.COSTS`),
-    and the GB each GPU sends across nodes in a step."""
+    and the GB each GPU sends across nodes in a step. ``schedule``: the
+    pipeline schedule planned (a ``--pipeline-schedule`` name; with one
+    stage, none), ``explicit`` when the request named it; under a schedule
+    the request named the memory is that of the stage that holds the most
+    (first or last)."""
 
     tp: int
     pp: int
@@ -36,7 +42,7 @@ class Layout:
     activations_gb: float
     total_gb: float
     fits: bool
-    pipeline_bubble: float  # (PP - 1) / (VP x micro batches per step) (Narayanan et al. 2021, section 2.2)
+    pipeline_bubble: float  # the schedule's bubble over the ideal step at F = B = W; 1F1B: (PP - 1) / (VP x m)
     host_activations_gb: float = 0.0  # the layer inputs --offload-activations keeps in host memory
     gathered_gb: float = 0.0  # fully sharded: weights and gradients gathered whole while computing
     sharding: str = "none"  # of the data-parallel copies: none, os (--zero-sharding os), zero2 or zero3
@@ -47,6 +53,8 @@ class Layout:
     time_shares: Dict[str, float] = dataclasses.field(default_factory=dict)
     network_gb: float = 0.0  # what each GPU sends through its network adapter per step
     gathers_across_nodes: bool = False  # fully sharded over data-parallel ranks in several nodes
+    schedule: str = ""
+    explicit: bool = False
 
     def as_dict(self) -> Dict:
         return dataclasses.asdict(self)
@@ -56,7 +64,8 @@ class Layout:
         parts = [f"TP={self.tp}", f"PP={self.pp}"] + ([f"VP={self.vp}"] if self.vp > 1 else [])
         parts += ([f"CP={self.cp}"] if self.cp > 1 else []) + [f"DP={self.dp}"]
         sharded = {"zero3": " fully sharded", "zero2": " fully sharded (ZeRO-2)", "os": " ZeRO-1"}
-        return ", ".join(parts) + sharded.get(self.sharding, "")
+        scheduled = f" ({self.schedule})" if self.explicit and self.pp > 1 else ""
+        return ", ".join(parts) + sharded.get(self.sharding, "") + scheduled
 
 
 def default_margin_gb(memory_gb: float) -> float:
@@ -70,7 +79,8 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
          sequence_parallel: bool = False, flash_attention: bool = True, tp: Optional[int] = None,
          pp: Optional[int] = None, offloading: bool = False, zero_sharding: bool = False, optimizer: str = "adam",
          fully_sharded: Optional[str] = None, cp: int = 1, vp: Optional[int] = None, gpu: Optional[GPU] = None,
-         margin_gb: Optional[float] = None, fused_elementwise: bool = False) -> List[Layout]:
+         margin_gb: Optional[float] = None, fused_elementwise: bool = False,
+         schedule: Optional[str] = None) -> List[Layout]:
     """Every valid layout with its memory per GPU and predicted step time.
 
     ``offloading`` (``--offload-activations``) implies ``checkpointing``.
@@ -82,7 +92,10 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
     size of every layout. ``gpu``: the hardware the steps are timed on
     (default: the ``a100-80gb`` preset); ``gpu_memory_gb`` is its memory, of
     which ``margin_gb`` (default :func:`default_margin_gb`) is kept free.
-    ``fused_elementwise``: ``--compile-layers`` (``Training``).
+    ``fused_elementwise``: ``--compile-layers`` (``Training``). ``schedule``:
+    a ``--pipeline-schedule`` name that every layout of several stages runs
+    where fairseq-train's checks pass (:func:`schedule_refusal`; no split
+    backward fully sharded), at its chunks or the fastest it can run.
 
     Valid: TP divides the heads and the FFN size and stays within a node
     (TP divides ``gpus_per_node``), PP divides the layers, DP = gpus / (TP*PP*CP)
@@ -92,9 +105,8 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
     1F1B schedule needs one per stage). With PP > 1 each layout takes the
     fastest number of model chunks per stage ``VP`` that fits (the
     interleaved schedule: ``VP`` divides the layers per stage, and PP the
-    micro batches); ``vp`` fixes it.
-
-    ``tp`` / ``pp`` restrict the search to one tensor / pipeline size.
+    micro batches); ``vp`` fixes it. ``tp`` / ``pp`` restrict the search
+    to one tensor / pipeline size.
 
     Raises:
         PlanError: an unknown precision, optimizer or sharding; the global
@@ -103,40 +115,72 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
             requested ``pp`` does not divide the layers, ``vp`` does not
             divide the layers of a stage, ``cp`` does not divide the GPUs or
             half the sequence; a margin of all the memory; no layout is
-            valid (the message says why).
+            valid (the message says why); fairseq-train's refusal of ``schedule``.
     """
     training = Training(micro_batch, precision, checkpointing or offloading, sequence_parallel, flash_attention,
                         offloading, zero_sharding, optimizer, fully_sharded, fused_elementwise)
     training.check()
     cluster = Cluster(gpus, gpus_per_node, dataclasses.replace(gpu or GPUS["a100-80gb"], memory_gb=gpu_memory_gb))
     cluster.check()
-    margin = default_margin_gb(gpu_memory_gb) if margin_gb is None else margin_gb
-    if not 0 <= margin < gpu_memory_gb:
-        raise PlanError(f"a memory margin of {margin:g} GB leaves nothing of the GPU's {gpu_memory_gb:g} GB")
+    margin = _checked_margin(gpu_memory_gb, margin_gb)
     _check_context_parallel(m, gpus, cp)
+    refused = schedule is not None and schedule_refusal(m, schedule, pp or 1, vp, None, fused_elementwise)
+    if refused:
+        raise PlanError(refused)
     candidates = candidate_layouts(m, gpus // cp, gpus_per_node, micro_batch, global_batch, tp, pp, stride=cp)
-    layouts = [lay for lay in (_fastest_chunks(m, candidate, training, cluster, cp, vp, gpu_memory_gb - margin)
-                               for candidate in candidates) if lay is not None]
-    if not layouts and vp is not None:
-        raise PlanError(f"no layout gives its pipeline stages {vp} model chunks each (the interleaved schedule "
-                        f"needs the layers of a stage divisible by {vp} and the micro batches per update by the "
-                        f"stages)")
+    layouts = [lay for lay in (_fastest_chunks(m, candidate, training, cluster, cp, vp, gpu_memory_gb - margin,
+                                               schedule) for candidate in candidates) if lay is not None]
     if not layouts:
-        raise PlanError(_why_no_layout(m, gpus, gpus_per_node, micro_batch, global_batch))
+        raise PlanError(_why_no_layout(m, gpus, gpus_per_node, micro_batch, global_batch, vp, schedule,
+                                       fully_sharded))
     return layouts
 
 
+def schedule_refusal(m: ModelShape, schedule: str, pp: int, vp: Optional[int], accumulation: Optional[int],
+                     compiled: bool) -> Optional[str]:
+    """fairseq-train's one-line refusal of ``--pipeline-schedule schedule``
+    at ``pp`` stages of ``vp`` chunks (None: the schedule's own number),
+    ``accumulation`` micro-batches per update (None: not checked) and
+    ``--compile-layers`` (``compiled``), from its own checks
+    (:func:`~fairseq_megatron.training.pipeline_schedules.check_schedule`);
+    None where it runs. The planner's ``--layers`` and ``--vp`` are
+    fairseq-train's ``--decoder-layers`` and ``--virtual-pipeline-model-parallel-size``."""
+    from fairseq_megatron.training.pipeline_schedules import chunks_per_stage, check_schedule, schedule_of
+
+    args = Namespace(pipeline_schedule=schedule, virtual_pipeline_model_parallel_size=vp,
+                     pipeline_model_parallel_size=pp, decoder_layers=m.layers, compile_layers=compiled,
+                     update_freq=None if accumulation is None else [accumulation])
+    try:
+        schedule_of(args)
+        chunks_per_stage(args)
+        if pp > 1:
+            check_schedule(args)
+    except UsageError as e:
+        return str(e)
+    return None
+
+
 def _fastest_chunks(m: ModelShape, candidate: Tuple[int, int, int, int], training: Training, cluster: Cluster,
-                    cp: int, vp: Optional[int], usable_gb: float) -> Optional[Layout]:
+                    cp: int, vp: Optional[int], usable_gb: float, schedule: Optional[str] = None) -> Optional[Layout]:
     """The ``(TP, PP, DP, accumulation)`` candidate with the number of
     model chunks per stage (``vp``, else each it can run) predicted fastest
     among those that fit ``usable_gb`` (the fewest if none fits); None when
-    it cannot run ``vp``."""
+    it cannot run ``vp`` (or ``schedule``)."""
+    from fairseq_megatron.training.pipeline_schedules import SCHEDULES
+
     t, p, dp, accumulation = candidate
-    chunks = chunk_counts(m.layers // p, p, accumulation)
-    if vp is not None:
-        chunks = [vp] if vp in chunks else []
-    options = [_layout(m, t, p, dp, accumulation, training, cluster, cp, v, usable_gb) for v in chunks]
+    if schedule is not None and p > 1:
+        fixed = SCHEDULES[schedule].chunks
+        chunks = [vp or fixed] if fixed is not None or vp is not None else _divisors(m.layers // p)
+        chunks = [v for v in chunks if schedule_refusal(m, schedule, p, v, accumulation,
+                                                        training.fused_elementwise) is None]
+        if training.fully_sharded and SCHEDULES[schedule].splits_backward:
+            chunks = []  # fairseq-train refuses it (training/fully_sharded.py)
+    else:
+        chunks = chunk_counts(m.layers // p, p, accumulation)
+        if vp is not None:
+            chunks = [vp] if vp in chunks else []
+    options = [_layout(m, t, p, dp, accumulation, training, cluster, cp, v, usable_gb, schedule) for v in chunks]
     if not options:
         return None
     fitting = [lay for lay in options if lay.fits] or options[:1]
@@ -152,6 +196,14 @@ def chunk_counts(stage_layers: int, pp: int, accumulation: int) -> List[int]:
     return _divisors(stage_layers)
 
 
+def _checked_margin(gpu_memory_gb: float, margin_gb: Optional[float]) -> float:
+    """The memory kept free (default :func:`default_margin_gb`); PlanError for all of it or less than none."""
+    margin = default_margin_gb(gpu_memory_gb) if margin_gb is None else margin_gb
+    if not 0 <= margin < gpu_memory_gb:
+        raise PlanError(f"a memory margin of {margin:g} GB leaves nothing of the GPU's {gpu_memory_gb:g} GB")
+    return margin
+
+
 def _check_context_parallel(m: ModelShape, gpus: int, cp: int) -> None:
     if cp < 1 or gpus % cp:
         raise PlanError(f"context-parallel size {cp} does not divide the {gpus} GPUs")
@@ -161,16 +213,23 @@ def _check_context_parallel(m: ModelShape, gpus: int, cp: int) -> None:
 
 
 def _layout(m: ModelShape, t: int, p: int, dp: int, accumulation: int, training: Training, cluster: Cluster,
-            cp: int, vp: int, usable_gb: float) -> Layout:
+            cp: int, vp: int, usable_gb: float, schedule: Optional[str] = None) -> Layout:
+    from fairseq_megatron.training.pipeline_schedules import SCHEDULES, bubble
+
     gb = 1e9
-    first = stage_memory(m, t, p, dp, accumulation, training, cp, vp, "first")
-    time = step_time(m, t, p, dp, accumulation, training, cluster, first.params, cp, vp)
+    chosen = SCHEDULES[schedule] if schedule else default_schedule(vp)
+    first = stage_memory(m, t, p, dp, accumulation, training, cp, vp, "first", schedule=schedule)
+    if schedule and p > 1:  # the split schedules load the last stage most
+        first = max(first, stage_memory(m, t, p, dp, accumulation, training, cp, vp, "last", schedule=schedule),
+                    key=lambda stage: stage.total)
+    time = step_time(m, t, p, dp, accumulation, training, cluster, first.params, cp, vp, schedule=schedule)
     sharding = training.fully_sharded or ("os" if training.zero_sharding else "none")
     return Layout(t, p, dp, accumulation, first.params, first.weights / gb, first.gradients / gb,
                   first.optimizer / gb, first.activations / gb, first.total / gb, first.total / gb <= usable_gb,
-                  (p - 1) / (vp * accumulation), first.host / gb, first.gathered / gb, sharding, cp, vp,
+                  bubble(chosen, p, vp) / (3 * accumulation), first.host / gb, first.gathered / gb, sharding, cp, vp,
                   time.seconds, time.tflops_per_gpu, time.shares(), time.network_bytes / gb,
-                  bool(training.fully_sharded) and cluster.ranks_per_node(dp * cp, t) < dp * cp)
+                  bool(training.fully_sharded) and cluster.ranks_per_node(dp * cp, t) < dp * cp,
+                  chosen.name if p > 1 else "", schedule is not None)
 
 
 def candidate_layouts(m: ModelShape, gpus: int, gpus_per_node: int, micro_batch: int, global_batch: int,
@@ -215,7 +274,21 @@ def _divisors(n: int) -> List[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def _why_no_layout(m, gpus, gpus_per_node, micro_batch, global_batch) -> str:
+def _why_no_layout(m, gpus, gpus_per_node, micro_batch, global_batch, vp=None, schedule=None,
+                   fully_sharded=None) -> str:
+    from fairseq_megatron.training.pipeline_schedules import SCHEDULES
+
+    if schedule is not None and fully_sharded and SCHEDULES[schedule].splits_backward:
+        return (f"--pipeline-schedule {schedule} does not work with fully sharded data parallelism (fairseq-train "
+                f"refuses it: torch's weight pass adds its gradients outside FSDP2's reduce-scatter); plan without "
+                f"--fully-sharded, or with --pipeline-schedule 1f1b or interleaved-1f1b")
+    if schedule is not None:
+        return (f"no layout runs --pipeline-schedule {schedule}" + (f" at --vp {vp}" if vp is not None else "")
+                + ": it needs the layers of a stage divisible by its chunks and enough micro batches per update "
+                  "(fairseq-train --pipeline-schedule)")
+    if vp is not None:
+        return (f"no layout gives its pipeline stages {vp} model chunks each (the interleaved schedule needs the "
+                f"layers of a stage divisible by {vp} and the micro batches per update by the stages)")
     tps = [t for t in _divisors(min(gpus_per_node, gpus)) if m.heads % t == 0 and m.ffn % t == 0]
     if not tps:
         return f"no tensor-parallel size within a node of {gpus_per_node} divides heads {m.heads} and FFN {m.ffn}"

@@ -74,24 +74,38 @@ Formulas (all per GPU, in bytes unless said otherwise):
   as the paper counts: this package's layer calls ``F.gelu`` (fairseq's
   ``gelu`` would keep an fp32 copy, ``2*r*s*b*h/t`` more). With flash attention
   (``scaled_dot_product_attention``, as this package uses) the ``5*a*s^2*b``
-  term of the attention matrix is not stored.
+  term of the attention matrix is not stored; without it each of the
+  ``a*s^2*b`` scores keeps its soft-max and the dropout's output in the
+  activations' dtype and the dropout's mask (``2e + mask_bytes``: the
+  paper's 5 in 16-bit).
 * Micro-batches in flight (torch's schedules, :mod:`fairseq_megatron.training.pipeline_schedule`):
-  under 1F1B the first of ``P`` stages runs ``P`` forwards before its first
-  backward, so it keeps ``L`` layers' worth of activations whatever ``P``
-  (Korthikanti et al. 2022, section 4.2.3), the last stage one micro-batch's.
-  The interleaved schedule with ``V`` chunks per stage runs
-  ``(V - 1) * P + 2 * (P - 1)`` chunk forwards before stage 0's first backward
-  (torch's ``_get_warmup_ops``), ``(V - 1) * P`` on the last stage: the
-  first keeps ``L * (1 + (P - 1) / (P * V))`` layers' worth (Korthikanti
-  et al. 2022, section 4.2.3).
+  a stage keeps each chunk forward's activations until its backward, or
+  under the schedules that split the backward until its weight pass; how
+  many it holds at its peak depends on the schedule
+  (:func:`~fairseq_megatron.training.pipeline_schedules.activations_in_flight`,
+  whose docstring gives each schedule's count and source). Under 1F1B the
+  first of ``P`` stages runs ``P`` forwards before its first backward, so
+  it keeps ``L`` layers' worth of activations whatever ``P`` (Korthikanti
+  et al. 2022, section 4.2.3), the last stage one micro-batch's; the
+  interleaved schedule's first stage ``L * (1 + (P - 1) / (P * V))``.
+  Between a chunk's input backward and its weight pass torch keeps the
+  gradient flowing into each weight's operation
+  (:func:`weight_pass_inputs_bytes_per_layer`; on the chunk that computes
+  the logits their gradient too).
+* The V-shaped schedules (``zbv``, ``dualpipev``) place chunks ``s`` and
+  ``2P - 1 - s`` on stage ``s``: stage 0 holds both ends of the model (the
+  embedding, the final layer norm, the tied output projection as the same
+  tensor, the logits), stage ``P - 1`` two middle chunks and no embedding.
 """
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Optional, Tuple
 
+from fairseq_megatron.models.pipeline_stage import V_SHAPE
 from fairseq_megatron.planner.errors import PlanError
 from fairseq_megatron.planner.shape import ModelShape
+from fairseq_megatron.training.pipeline_schedules import SCHEDULES, Schedule, activations_in_flight
 
 BYTES_PER_PARAM = {
     # precision: (weights, gradients, optimizer state)
@@ -160,8 +174,12 @@ class StageMemory:
     """One GPU's memory in bytes: ``params`` (elements held), ``weights``,
     ``gradients``, ``optimizer`` (state, master weights included),
     ``activations`` (the most alive at once), ``host`` (offloaded layer
-    inputs, in host memory) and ``gathered`` (what fully sharded training
-    gathers whole while it computes)."""
+    inputs, in host memory), ``gathered`` (what fully sharded training
+    gathers whole while it computes) and ``unsaved``, the part of
+    ``activations`` autograd does not save for the backward (what
+    :class:`~fairseq_megatron.training.memory.SavedActivations` does not
+    count): the stage's outputs in flight, the backward's gradients, the
+    gradients kept for weight passes."""
 
     params: int
     weights: float
@@ -170,6 +188,7 @@ class StageMemory:
     activations: float
     host: float
     gathered: float
+    unsaved: float = 0.0
 
     @property
     def total(self) -> float:
@@ -212,9 +231,11 @@ def activation_bytes_per_layer(m: ModelShape, micro_batch: int, tp: int, sequenc
     if checkpointing:
         return 2 * s * b * h * scale / c / (t if sequence_parallel else 1)
     r = m.ffn / h
-    attention_matrix = 0 if flash_attention else 5 * a * s * s * b / c
+    # without flash attention: the soft-max output and the dropout's output in the activations' dtype and its mask
+    # (the paper's 5 bytes per score in 16-bit with 1-byte masks)
+    attention_matrix = 0 if flash_attention else (2 * e + mask_bytes) * a * s * s * b / c
     replicated = s * b * h * (8 * scale + 2 * mask_bytes) / c  # layer norms' inputs and outputs, the two masks
-    split = s * b * h * (8 + 4 * r) * scale / c + attention_matrix * scale
+    split = s * b * h * (8 + 4 * r) * scale / c + attention_matrix
     kept = kept_weight_bytes(m, t, precision)
     return (replicated + split) / t + kept if sequence_parallel else replicated + split / t + kept
 
@@ -245,15 +266,35 @@ def model_ends_bytes(m: ModelShape, micro_batch: int, tp: int, precision: str, f
     return ends
 
 
-def chunk_passes_in_flight(stage: int, pp: int, vp: int, micro_batches: int) -> int:
+def default_schedule(vp: int) -> Schedule:
+    """The schedule fairseq-train runs without ``--pipeline-schedule``:
+    interleaved 1F1B with more than one chunk per stage, else 1F1B."""
+    return SCHEDULES["interleaved-1f1b" if vp > 1 else "1f1b"]
+
+
+def chunk_passes_in_flight(stage: int, pp: int, vp: int, micro_batches: int, schedule: Optional[str] = None) -> int:
     """Chunk forwards (``L / (P * V)`` layers each) whose activations
-    ``stage`` of ``pp`` holds at once under torch's 1F1B (``vp == 1``) or
-    interleaved 1F1B schedule: its warm-up forwards and the first of its
-    steady state, at most every forward of the update."""
-    if vp == 1:
-        return min(pp - stage, micro_batches)
-    per_round = micro_batches // max(1, micro_batches // pp)
-    return min((vp - 1) * per_round + 2 * (pp - 1 - stage) + 1, micro_batches * vp)
+    ``stage`` of ``pp`` holds at once under ``schedule`` (by default
+    :func:`default_schedule`):
+    :func:`~fairseq_megatron.training.pipeline_schedules.activations_in_flight`."""
+    chosen = SCHEDULES[schedule] if schedule else default_schedule(vp)
+    return activations_in_flight(chosen, stage, pp, vp, micro_batches).forwards
+
+
+def weight_pass_inputs_bytes_per_layer(m: ModelShape, micro_batch: int, tp: int, sequence_parallel: bool,
+                                       precision: str = "fp16", context_parallel: int = 1) -> float:
+    """Bytes one layer keeps between a micro-batch's input backward and its
+    weight pass under a split backward, on one GPU: torch's
+    ``stage_backward_input`` keeps the gradient flowing into each operation
+    that has weights (``param_groups``' ``grads``): the fused q/k/v
+    projection's output (``3h / T``), the output projection's and the second
+    FFN matrix's (``h`` each, before their all-reduce or reduce-scatter), the
+    first FFN matrix's (``f / T``) and the two layer norms' (``h``, ``/ T``
+    with sequence parallelism): ``s*b*(7h + f)`` elements without tensor
+    parallelism, in the activations' dtype."""
+    s, b, h, f, t = m.seq_len / context_parallel, micro_batch, m.hidden, m.ffn, tp
+    norms = 2 * h / (t if sequence_parallel else 1)
+    return ACTIVATION_BYTES[precision] * s * b * (3 * h / t + f / t + 2 * h + norms)
 
 
 def _pipeline_and_backward_bytes(m: ModelShape, tp: int, pp: int, cp: int, in_flight: int, training: Training,
@@ -268,13 +309,52 @@ def _pipeline_and_backward_bytes(m: ModelShape, tp: int, pp: int, cp: int, in_fl
     return outputs * hidden + hidden / (tp if training.sequence_parallel else 1) + e * tokens * m.ffn / tp
 
 
+def _stage_activations(m: ModelShape, t: int, pp: int, cp: int, vp: int, accumulation: int, training: Training,
+                       chosen: Schedule, stage_index: int, first: bool, last: bool,
+                       mask_bytes: float) -> Tuple[float, float, float]:
+    """The most activation bytes stage ``stage_index`` holds at once on the
+    GPU, in host memory (offloaded), and of the first those autograd does not
+    save (``StageMemory.unsaved``), under schedule ``chosen``; ``first``
+    and ``last``: it holds the model's first / last chunk."""
+    layers = m.layers // pp
+    peak = activations_in_flight(chosen, stage_index, pp, vp, accumulation)
+    in_flight = peak.forwards
+    per_layer = functools.partial(activation_bytes_per_layer, m, training.micro_batch, t, training.sequence_parallel,
+                                  flash_attention=training.flash_attention, precision=training.precision,
+                                  context_parallel=cp, mask_bytes=mask_bytes)
+    ends = functools.partial(model_ends_bytes, m, training.micro_batch, t, training.precision, context_parallel=cp,
+                             mask_bytes=mask_bytes, sequence_parallel=training.sequence_parallel)
+    kept = per_layer(checkpointing=training.checkpointing) * layers * in_flight / vp
+    act, host = (0, kept) if training.offloading else (kept, 0)
+    unsaved = _pipeline_and_backward_bytes(m, t, pp, cp, in_flight, training, last)
+    act += ends(first, False) * in_flight / vp + unsaved
+    if training.checkpointing:
+        act += per_layer(checkpointing=False)  # the layer being recomputed
+    tokens = m.seq_len * training.micro_batch / cp
+    if last:
+        act += ends(False, True)  # one micro-batch's logits: the last stage runs its backward at once
+        unsaved += (training.activation_bytes + 4) * tokens * m.vocab / t  # their gradient, fp32 and the logits'
+    kept_for_weights = 0.0
+    if peak.weight_passes:  # the gradients a split backward keeps for its weight passes (an upper bound on the
+        # model's first chunk, whose whole backward torch runs at the weight pass: its input takes no gradient)
+        kept_for_weights = peak.weight_passes * layers / vp * weight_pass_inputs_bytes_per_layer(
+            m, training.micro_batch, t, training.sequence_parallel, training.precision, cp)
+        if last:  # the logits' gradient, for the output projection's weight pass
+            kept_for_weights += peak.weight_passes * training.activation_bytes * tokens * m.vocab / t
+    return act + kept_for_weights, host, unsaved + kept_for_weights
+
+
 def stage_memory(m: ModelShape, tp: int, pp: int, dp: int, accumulation: int, training: Training,
-                 cp: int = 1, vp: int = 1, stage: str = "first", mask_bytes: float = 1) -> StageMemory:
+                 cp: int = 1, vp: int = 1, stage: str = "first", mask_bytes: float = 1,
+                 schedule: Optional[str] = None) -> StageMemory:
     """The memory of one GPU of the ``"first"`` pipeline stage (the
     embedding, ``L / PP`` layers and the most micro-batches in flight) or
     of the ``"last"`` (its layers, the final layer norm, the tied output
     projection's copy of the embedding, and the logits); the same with one
-    stage.
+    stage. ``schedule``: a ``--pipeline-schedule`` name (default: what
+    fairseq-train runs with ``vp`` chunks, :func:`default_schedule`); under
+    the V-shaped ones the first stage holds both ends of the model and the
+    last neither (this module's docstring).
 
     Under fully sharded data parallelism (FSDP2, one unit per decoder layer
     and one for the rest) every rank keeps fp32 weights, fp32 gradients and
@@ -289,28 +369,18 @@ def stage_memory(m: ModelShape, tp: int, pp: int, dp: int, accumulation: int, tr
     """
     w_b, g_b, o_b = BYTES_PER_PARAM[training.precision]
     t, layers = tp, m.layers // pp
-    first, last = stage == "first", stage == "last" or pp == 1
-    embed = m.embedding_parameters() if first else m.vocab * m.hidden
+    chosen = SCHEDULES[schedule] if schedule else default_schedule(vp)
+    first, last = stage == "first", stage == "last" or pp == 1  # the stage holds the first chunk; the last chunk
+    if pp > 1 and chosen.placement == V_SHAPE:
+        last = first  # stage 0 holds both ends, stage P - 1 neither
+    embed = m.embedding_parameters() if first else (m.vocab * m.hidden if last else 0)
     params = (embed + m.layer_parameters() * layers) // t + (2 * m.hidden if last else 0)
-    stage_index = 0 if first else pp - 1
-    in_flight = chunk_passes_in_flight(stage_index, pp, vp, accumulation)
-    per_layer = functools.partial(activation_bytes_per_layer, m, training.micro_batch, t, training.sequence_parallel,
-                                  flash_attention=training.flash_attention, precision=training.precision,
-                                  context_parallel=cp, mask_bytes=mask_bytes)
-    ends = functools.partial(model_ends_bytes, m, training.micro_batch, t, training.precision, context_parallel=cp,
-                             mask_bytes=mask_bytes, sequence_parallel=training.sequence_parallel)
-    kept = per_layer(checkpointing=training.checkpointing) * layers * in_flight / vp
-    act, host = (0, kept) if training.offloading else (kept, 0)
-    act += ends(first, False) * in_flight / vp + _pipeline_and_backward_bytes(m, t, pp, cp, in_flight, training,
-                                                                            stage == "last")
-    if training.checkpointing:
-        act += per_layer(checkpointing=False)  # the layer being recomputed
-    if last:
-        act += ends(False, True)  # one micro-batch's logits: the last stage runs its backward at once
+    act, host, unsaved = _stage_activations(m, t, pp, cp, vp, accumulation, training, chosen, 0 if stage == "first" else pp - 1,
+                                   first, last, mask_bytes)
     if training.optimizer == "adam":
         state = ADAM_MOMENT_BYTES * params
     else:
-        state = 4 * adafactor_state_elements(m, t, layers, embedding=True, final_norm=last)
+        state = 4 * adafactor_state_elements(m, t, layers, embedding=bool(embed), final_norm=last)
     gathered = 0.0
     shards = dp * cp  # fully sharded over the data- and context-parallel ranks, as gradients are averaged
     if training.fully_sharded:
@@ -323,4 +393,4 @@ def stage_memory(m: ModelShape, tp: int, pp: int, dp: int, accumulation: int, tr
         master = (o_b - ADAM_MOMENT_BYTES) * params  # fp32 master weights (--fp16): 4 bytes each
         grads = params * g_b
         weights, optim = params * w_b, master + (state / shards if training.zero_sharding else state)
-    return StageMemory(params, weights, grads, optim, act, host, gathered)
+    return StageMemory(params, weights, grads, optim, act, host, gathered, unsaved)

@@ -78,7 +78,9 @@ def training_flags(layout: Layout) -> List[str]:
     flags = ["--model-parallel-size", str(layout.tp)]
     if layout.pp > 1:
         flags += ["--pipeline-model-parallel-size", str(layout.pp)]
-        if layout.vp > 1:
+        if layout.explicit:
+            flags += ["--pipeline-schedule", layout.schedule]
+        if layout.vp > 1 and layout.schedule not in ("zbv", "dualpipev"):  # those two fix their chunks
             flags += ["--virtual-pipeline-model-parallel-size", str(layout.vp)]
     if layout.cp > 1:
         flags += ["--context-parallel-size", str(layout.cp)]

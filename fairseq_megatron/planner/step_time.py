@@ -36,7 +36,19 @@ micro-batch meets them:
 
 A stage's step is then ``(m + (P - 1) / V) * cycle`` for ``m`` micro-batches
 and a cycle of the costs above (the **pipeline bubble** is the
-``(P - 1) / V`` part; Narayanan et al. 2021, section 2.2). After it:
+``(P - 1) / V`` part; Narayanan et al. 2021, section 2.2) under 1F1B and
+interleaved 1F1B. Under each ``--pipeline-schedule`` the bubble is
+:func:`~fairseq_megatron.training.pipeline_schedules.bubble`'s (its
+docstring gives each schedule's formula and paper) for a forward ``F``, an
+input backward ``B`` and a weight backward ``W`` that share the cycle as
+their passes do: ``F = W`` one pass each, ``B`` the rest (one pass, two
+with recomputation, which runs before the input backward); ZB-1P's
+``(P - 1)(F + B - W)`` is then a third of 1F1B's, ZB-V's
+``(P - 1)(F + B - 2W) / 2`` none. The split backward is counted at the
+FLOPs of the whole one: the extra time its two graph walks took on a CPU
+(docs/benchmarks.md) is not in the model. The V-shaped schedules keep the
+tied embedding as one tensor on stage 0: no all-reduce of its gradient.
+After it:
 
 * **data parallel**: the all-reduce of this GPU's gradients (in their
   dtype) over the ``D x C`` ranks that average them; fairseq's DDP overlaps
@@ -73,11 +85,13 @@ GPUs: Narayanan et al. 2021's count, recomputation included.
 """
 
 import dataclasses
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
+from fairseq_megatron.models.pipeline_stage import V_SHAPE
 from fairseq_megatron.planner.hardware import Cluster
-from fairseq_megatron.planner.memory import Training
+from fairseq_megatron.planner.memory import Training, default_schedule
 from fairseq_megatron.planner.shape import ModelShape
+from fairseq_megatron.training.pipeline_schedules import SCHEDULES, bubble
 
 OPTIMIZER_BYTES = 48  # weights, gradients and state read and written by the update, per parameter
 LOSS_PASSES = 10  # fp32 passes over the logits: cast, max, subtract, exp, sum; the gradient's
@@ -186,11 +200,15 @@ def _embedding_reduction_seconds(m: ModelShape, tp: int, training: Training, clu
 
 
 def step_time(m: ModelShape, tp: int, pp: int, dp: int, accumulation: int, training: Training, cluster: Cluster,
-              params_per_gpu: int, cp: int = 1, vp: int = 1, global_batch: int = None) -> StepTime:
+              params_per_gpu: int, cp: int = 1, vp: int = 1, global_batch: int = None,
+              schedule: Optional[str] = None) -> StepTime:
     """The predicted seconds of one step of ``accumulation`` micro-batches
     per model copy (this module's docstring), for a GPU holding
     ``params_per_gpu`` parameters of its stage before any sharding.
-    ``global_batch`` (sequences) defaults to ``micro_batch * accumulation * dp``."""
+    ``global_batch`` (sequences) defaults to ``micro_batch * accumulation * dp``;
+    ``schedule``, a ``--pipeline-schedule`` name, to what fairseq-train runs
+    with ``vp`` chunks per stage."""
+    chosen = SCHEDULES[schedule] if schedule else default_schedule(vp)
     b, layers, passes = training.micro_batch, m.layers // pp, (4 if training.checkpointing else 3)
     rate, memory_rate = cluster.matmul_flops(training.precision), cluster.memory_bytes_per_second()
     logits = m.seq_len * b * m.vocab / (tp * cp)
@@ -220,7 +238,7 @@ def step_time(m: ModelShape, tp: int, pp: int, dp: int, accumulation: int, train
         sent += reduced
     held = params_per_gpu / (replicas if training.fully_sharded else 1)
     embedding = 0.0
-    if pp > 1:  # the tied embedding's two copies, on the first and the last stage
+    if pp > 1 and chosen.placement != V_SHAPE:  # the tied embedding's two copies, on the first and the last stage
         embedding, embedding_sent = _embedding_reduction_seconds(m, tp, training, cluster, across_nodes,
                                                                  replicas if training.fully_sharded else 1)
         sent += embedding_sent
@@ -230,7 +248,7 @@ def step_time(m: ModelShape, tp: int, pp: int, dp: int, accumulation: int, train
         "tensor_parallel": accumulation * tensor,
         "context_parallel": accumulation * context,
         "pipeline_transfers": accumulation * transfers + embedding,
-        "pipeline_bubble": (pp - 1) / vp * cycle,
+        "pipeline_bubble": bubble(chosen, pp, vp, 1, passes - 2, 1) / passes * cycle,
         "data_parallel": accumulation * sharded + reduction,
         "optimizer": held * OPTIMIZER_BYTES / memory_rate,
     }

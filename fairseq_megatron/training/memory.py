@@ -171,4 +171,11 @@ class _Saved:
     __slots__ = ("tensor", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
+        # Detached: the same storage without its grad_fn. Holding the tensor
+        # itself closes a cycle through autograd's graph (node -> saved
+        # tensor -> grad_fn -> node) that Python's garbage collector cannot
+        # see; autograd breaks it only when it runs the node without
+        # retain_graph, which a split backward (torch.distributed.pipelining's
+        # input then weight pass) never does for the nodes of the input path:
+        # their activations stayed until the process ended.
+        self.tensor = tensor.detach()

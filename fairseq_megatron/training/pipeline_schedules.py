@@ -50,7 +50,48 @@ backward and weight backward over a whole stage, the update's work is
   ``(P - 1)(F + 2B - W) / 2``.
 
 The papers take ``F = B = W``; so does :func:`idle_share_bound` unless
-given measured times.
+given measured times. Splitting the backward does not change its FLOPs
+(``B + W`` is the unsplit backward's work), but each half walks the
+autograd graph on its own: on a CPU the split schedules' passes took 6.5
+to 6.9 s per rank where 1F1B's took 5.9 to 6.3 s (docs/benchmarks.md,
+pipeline bubble). :func:`bubble` leaves that overhead out.
+
+**Activations in flight** (:func:`activations_in_flight`): the chunk
+forwards whose activations a stage holds at its peak, counted from the
+order in which torch's schedule classes run each stage's passes (their
+``_calculate_single_rank_operations``). A split backward keeps a chunk's
+activations until its weight pass: torch's ``stage_backward_input``
+retains the autograd graph, and keeps the gradient flowing into each
+weight's operation (``param_groups``) for ``stage_backward_weight``. With
+``m`` micro-batches, ``P`` stages, ``V`` chunks and stage ``s``:
+
+- 1F1B: ``min(P - s, m)`` forwards of ``L / P`` layers: the first stage
+  holds ``L`` layers' worth (Korthikanti et al. 2022, section 4.2.3);
+- interleaved 1F1B: ``(V - 1) r + 2 (P - 1 - s) + 1`` chunk forwards of
+  ``L / (P V)`` layers, ``r = m / max(1, m // P)`` per round, at most
+  ``m V`` (torch's ``_get_warmup_ops``; Narayanan et al. 2021, section
+  2.2.2: ``1 + (P - 1) / (P V)`` times 1F1B's first stage);
+- interleaved zero bubble: ``(V - 1) r + P`` on every stage, at most
+  ``m V`` (a warm-up of ``(V - 1) r + P - 1 - s``, then ``s`` input
+  backwards before the first weight pass), ``s + 1`` of them waiting for
+  their weight pass; at ``V = 1``, ZB-1P: ``P`` micro-batches, 1F1B's peak
+  (Qi et al. 2024, section 3, ZB-H1);
+- ZB-V: ``min(2P, m + 1 + s)`` chunk forwards of ``L / (2P)`` layers, at
+  most ``L`` layers as 1F1B's first stage (Qi et al. 2024, section 6), at
+  most ``min(2s + 1, 2(m - P) + 1)`` of them waiting for their weight pass
+  (the cool-down's input backwards run ahead of their weight passes). The
+  two peaks fall at different times: their sum is an upper bound, within
+  one chunk's activations of the order's peak on the first and the last
+  stage from ``m = 2P - 1`` on, looser below;
+- DualPipeV: ``2P + 1`` chunk forwards of ``L / (2P)`` layers on every
+  stage, none waiting (DeepSeek-AI's DualPipe repository, table "based on
+  the same number of PP stages": ``PP + 1`` chunks for ``PP = 2P`` stages
+  on ``P`` devices). DualPipe, the bidirectional schedule of DeepSeek-V3
+  (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", section 3.2.1,
+  Table 2), keeps two copies of the parameters; DualPipeV, its V-shaped
+  half that torch's ``ScheduleDualPipeV`` runs, keeps one: each rank holds
+  chunks ``s`` and ``2P - 1 - s`` (the table's "2x" counts against one of
+  ``2P`` stages), the same ``L / P`` layers as 1F1B at ``P``.
 """
 
 from typing import NamedTuple, Optional
@@ -190,24 +231,65 @@ def check_schedule(args) -> None:
                          f"(pytorch/pytorch#161904); drop one, or use --pipeline-schedule 1f1b or interleaved-1f1b")
 
 
-def idle_share_bound(schedule: Schedule, stages: int, chunks: int, micro_batches: int,
-                     forward: float = 1.0, backward_input: float = 1.0, backward_weight: float = 1.0) -> float:
-    """The idle share of an update (module docstring) that ``schedule``
-    cannot avoid at ``stages`` stages of ``chunks`` model chunks and
-    ``micro_batches`` micro-batches, for a micro-batch's forward,
-    input-backward and weight-backward times over one stage (any unit; the
-    papers' ``F = B = W`` by default). A schedule that does not split the
-    backward runs ``B + W`` as one pass. 0 at one stage; never below 0."""
-    p, v, m = stages, chunks, micro_batches
-    f, b, w = forward, backward_input, backward_weight
+class InFlight(NamedTuple):
+    """What one stage holds at its peak (module docstring): ``forwards``,
+    chunk forwards whose activations it keeps, and ``weight_passes``, those
+    of them whose input backward ran and whose weight pass has not (each
+    keeps the gradients flowing into its weights' operations too; an upper
+    bound where the two peaks fall apart, exact for 1F1B, interleaved 1F1B,
+    interleaved zero bubble and DualPipeV)."""
+
+    forwards: int
+    weight_passes: int
+
+
+def activations_in_flight(schedule: Schedule, stage: int, stages: int, chunks: int,
+                          micro_batches: int) -> InFlight:
+    """What ``stage`` of ``stages`` holds at its peak under ``schedule``
+    with ``chunks`` model chunks per stage and ``micro_batches`` per update
+    (module docstring: the formulas and their sources). One stage: one
+    forward."""
+    p, v, m, s = stages, chunks, micro_batches, stage
+    if p == 1:
+        return InFlight(1, 0)
+    per_round = m // max(1, m // p)
+    if schedule.name == "1f1b":
+        return InFlight(min(p - s, m), 0)
+    if schedule.name == "interleaved-1f1b":
+        return InFlight(min((v - 1) * per_round + 2 * (p - 1 - s) + 1, m * v), 0)
+    if schedule.name == "interleaved-zb":
+        return InFlight(min((v - 1) * per_round + p, m * v), min(s + 1, m * v))
+    if schedule.name == "zbv":
+        return InFlight(min(2 * p, m + 1 + s), min(2 * s + 1, 2 * (m - p) + 1))
+    return InFlight(2 * p + 1, 0)  # dualpipev
+
+
+def bubble(schedule: Schedule, stages: int, chunks: int, forward: float = 1.0, backward_input: float = 1.0,
+           backward_weight: float = 1.0) -> float:
+    """The time a stage idles in an update under ``schedule`` at ``stages``
+    stages of ``chunks`` model chunks, for a micro-batch's forward,
+    input-backward and weight-backward times over one stage (module
+    docstring: the formulas and their sources; any unit). A schedule that
+    does not split the backward runs ``B + W`` as one pass. 0 at one stage;
+    never below 0."""
+    p, v, f, b, w = stages, chunks, forward, backward_input, backward_weight
     if p == 1:
         return 0.0
-    bubble = {
+    idle = {
         "1f1b": (p - 1) * (f + b + w),
         "interleaved-1f1b": (p - 1) * (f + b + w) / v,
         "interleaved-zb": (p - 1) * (f + b - w) / v,
         "zbv": (p - 1) * (f + b - 2 * w) / 2,
         "dualpipev": (p - 1) * (f + 2 * b - w) / 2,
     }[schedule.name]
-    bubble = max(bubble, 0.0)
-    return bubble / (m * (f + b + w) + bubble)
+    return max(idle, 0.0)
+
+
+def idle_share_bound(schedule: Schedule, stages: int, chunks: int, micro_batches: int,
+                     forward: float = 1.0, backward_input: float = 1.0, backward_weight: float = 1.0) -> float:
+    """The idle share of an update (module docstring) that ``schedule``
+    cannot avoid at ``stages`` stages of ``chunks`` model chunks and
+    ``micro_batches`` micro-batches: :func:`bubble` over the update's
+    ``m (F + B + W)`` and the bubble. 0 at one stage."""
+    idle = bubble(schedule, stages, chunks, forward, backward_input, backward_weight)
+    return idle / (micro_batches * (forward + backward_input + backward_weight) + idle)

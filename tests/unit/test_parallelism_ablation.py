@@ -47,9 +47,17 @@ def test_rows_are_the_layouts_fairseq_train_runs():
 
 
 def test_every_row_passes_fairseq_trains_launch_checks_on_cpu():
-    """FSDP2 too: torch's FSDP2 runs on CPU with gloo."""
-    for name in ("baseline", "DP2", "TP2", "SP2", "CP2", "PP2", "FSDP2"):
+    """FSDP2 too: torch's FSDP2 runs on CPU with gloo; and PP2 under each
+    pipeline schedule, its chunks those the planner predicts it with."""
+    for name in ablation.LAYOUTS:
         assert ablation.refusal(ablation.layout(name), QUICK, cpu=True, seed=1) is None, name
+    from fairseq_megatron.training.pipeline_schedules import chunks_per_stage
+
+    for name, (schedule, chunks) in ablation.SCHEDULE_ROWS.items():
+        row = ablation.layout(name)
+        cfg = ablation._parse(ablation.fairseq_flags(row, QUICK, cpu=True, seed=1))
+        assert (cfg.model.pipeline_schedule, cfg.model.pipeline_model_parallel_size) == (schedule, 2), name
+        assert chunks_per_stage(cfg.model) == row.chunks == chunks, name  # what the trainer runs, what is predicted
     cfg = ablation._parse(ablation.fairseq_flags(ablation.layout("FSDP2"), QUICK, cpu=True, seed=1))
     assert cfg.distributed_training.ddp_backend == "fully_sharded"
 

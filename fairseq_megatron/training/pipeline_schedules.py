@@ -52,9 +52,8 @@ backward and weight backward over a whole stage, the update's work is
 The papers take ``F = B = W``; so does :func:`idle_share_bound` unless
 given measured times. Splitting the backward does not change its FLOPs
 (``B + W`` is the unsplit backward's work), but each half walks the
-autograd graph on its own: on a CPU the split schedules' passes took 6.5
-to 6.9 s per rank where 1F1B's took 5.9 to 6.3 s (docs/benchmarks.md,
-pipeline bubble). :func:`bubble` leaves that overhead out.
+autograd graph on its own, which costs time on a CPU (measured in
+docs/benchmarks.md, pipeline bubble). :func:`bubble` leaves that overhead out.
 
 **Activations in flight** (:func:`activations_in_flight`): the chunk
 forwards whose activations a stage holds at its peak, counted from the

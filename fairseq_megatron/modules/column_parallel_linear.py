@@ -97,11 +97,8 @@ class ColumnParallelLinear(KeepsParameterAttributes, nn.Module):
     fairscale ``nn/model_parallel/layers.py``. With ``--fp8`` training passes
     compute the product in float8 (:mod:`fairseq_megatron.modules.float8`).
 
-    ``initialisation`` (a
-    :class:`~fairseq_megatron.modules.sharding.DeferredInitialisation`, or
-    None to draw at once): the weight made on the ``meta`` device, the draws
-    queued on it (the model's builder runs them, or a checkpoint fills
-    the weights).
+    ``initialisation``: where given, the weight on ``meta``, its draw
+    queued on it (:mod:`~fairseq_megatron.modules.sharding`); None draws now.
 
     Raises:
         ValueError: ``out_features`` is not divisible by the group size.

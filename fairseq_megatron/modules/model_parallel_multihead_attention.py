@@ -56,11 +56,8 @@ class ModelParallelMultiheadAttention(KeepsParameterAttributes, nn.Module):
     ``attn_mask`` ``(T / C, T)`` and ``key_padding_mask`` ``(B, T)`` follow
     the gathered keys' order. Not in incremental decoding.
 
-    ``initialisation`` (a
-    :class:`~fairseq_megatron.modules.sharding.DeferredInitialisation`, or
-    None to draw at once): the projections' weights made on the ``meta`` device, the draws
-    queued on it (the model's builder runs them, or a checkpoint fills
-    the weights).
+    ``initialisation``: where given, the projections' weights on ``meta``, their draws
+    queued on it (:mod:`~fairseq_megatron.modules.sharding`); None draws now.
 
     Raises:
         UsageError (a ValueError): ``embed_dim`` not divisible by

@@ -49,11 +49,8 @@ class ModelParallelTransformerDecoderLayer(KeepsParameterAttributes, nn.Module):
     Residual dropout then draws from the model-parallel RNG stream, since
     ranks hold different positions.
 
-    ``initialisation`` (a
-    :class:`~fairseq_megatron.modules.sharding.DeferredInitialisation`, or
-    None to draw at once): the attention's and FFN's weights made on the ``meta`` device, the draws
-    queued on it (the model's builder runs them, or a checkpoint fills
-    the weights).
+    ``initialisation``: where given, the attention's and FFN's weights on ``meta``, their draws
+    queued on it (:mod:`~fairseq_megatron.modules.sharding`); None draws now.
 
     Raises:
         ValueError: heads or ``decoder_ffn_embed_dim`` not divisible by the

@@ -39,11 +39,8 @@ class RowParallelLinear(KeepsParameterAttributes, nn.Module):
     ``--fp8`` training passes compute the product in float8
     (:mod:`fairseq_megatron.modules.float8`).
 
-    ``initialisation`` (a
-    :class:`~fairseq_megatron.modules.sharding.DeferredInitialisation`, or
-    None to draw at once): the weight made on the ``meta`` device, the draws
-    queued on it (the model's builder runs them, or a checkpoint fills
-    the weights).
+    ``initialisation``: where given, the weight on ``meta``, its draw
+    queued on it (:mod:`~fairseq_megatron.modules.sharding`); None draws now.
 
     Raises:
         ValueError: ``in_features`` is not divisible by the group size.

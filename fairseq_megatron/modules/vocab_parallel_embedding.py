@@ -47,11 +47,8 @@ class VocabParallelEmbedding(KeepsParameterAttributes, nn.Module):
     and gets no gradient. Mirrors Megatron-LM
     ``tensor_parallel/layers.py:VocabParallelEmbedding``.
 
-    ``initialisation`` (a
-    :class:`~fairseq_megatron.modules.sharding.DeferredInitialisation`, or
-    None to draw at once): the weight made on the ``meta`` device, the draws
-    queued on it (the model's builder runs them, or a checkpoint fills
-    the weights).
+    ``initialisation``: where given, the weight on ``meta``, its draw
+    queued on it (:mod:`~fairseq_megatron.modules.sharding`); None draws now.
 
     Raises:
         ValueError: ``num_embeddings`` is not divisible by the group size.

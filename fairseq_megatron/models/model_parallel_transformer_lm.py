@@ -146,9 +146,10 @@ class ModelParallelTransformerLanguageModel(TransformerLanguageModel):
     # they ran or a checkpoint made them needless.
     deferred_initialisation: Optional[sharding.DeferredInitialisation] = None
 
-    def materialize(self, device="cpu") -> None:
+    def materialize(self, device=None) -> None:
         """Give the weights a deferred build left on the ``meta`` device
-        memory on ``device``, NaN-filled until a checkpoint or the deferred
+        memory on ``device`` (default: torch's default device, where a build
+        that draws at once makes them, as its biases), NaN-filled until a checkpoint or the deferred
         draws fill them (:meth:`~fairseq_megatron.modules.sharding.DeferredInitialisation.materialize`).
         Call it after dropping what this rank does not hold."""
         if self.deferred_initialisation is not None:

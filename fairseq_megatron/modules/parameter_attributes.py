@@ -114,7 +114,12 @@ class KeepsParameterAttributes(SharesProcessGroupsWhenCopied):
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
-        self.tag_parameters()
+        # every tagging module below too, not only this one: a parameter two modules hold (the tied
+        # embedding and output projection) is converted once for each, and torch converts a tensor
+        # subclass (FSDP2's DTensor) by swapping the tensors' contents, Python attributes included
+        for child in self.modules():
+            if isinstance(child, KeepsParameterAttributes):
+                child.tag_parameters()
         return module
 
     def __deepcopy__(self, memo):

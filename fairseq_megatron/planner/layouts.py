@@ -174,8 +174,8 @@ def _fastest_chunks(m: ModelShape, candidate: Tuple[int, int, int, int], trainin
         chunks = [vp or fixed] if fixed is not None or vp is not None else _divisors(m.layers // p)
         chunks = [v for v in chunks if schedule_refusal(m, schedule, p, v, accumulation,
                                                         training.fused_elementwise) is None]
-        if training.fully_sharded and SCHEDULES[schedule].splits_backward:
-            chunks = []  # fairseq-train refuses it (training/fully_sharded.py)
+        if fully_sharded_refusal(schedule, training.fully_sharded) is not None:
+            chunks = []
     else:
         chunks = chunk_counts(m.layers // p, p, accumulation)
         if vp is not None:
@@ -268,6 +268,29 @@ def candidate_layouts(m: ModelShape, gpus: int, gpus_per_node: int, micro_batch:
     return found
 
 
+def fully_sharded_refusal(schedule: str, fully_sharded: Optional[str]) -> Optional[str]:
+    """Why fairseq-train refuses ``schedule`` under ``fully_sharded``
+    (``"zero3"``, ``"zero2"``) for the planner's models (tied embeddings):
+    a split backward needs ``--no-reshard-after-forward`` (zero2), and the
+    V placement cannot shard the embedding both chunks of stage 0 hold
+    (:func:`~fairseq_megatron.training.fully_sharded.check_fully_sharded`);
+    None where it runs."""
+    from fairseq_megatron.models.pipeline_stage import V_SHAPE
+    from fairseq_megatron.training.pipeline_schedules import SCHEDULES
+
+    if not fully_sharded or not SCHEDULES[schedule].splits_backward:
+        return None
+    if SCHEDULES[schedule].placement == V_SHAPE:
+        return (f"--pipeline-schedule {schedule} does not work with fully sharded data parallelism and tied "
+                f"embeddings (fairseq-train refuses it: both model chunks of stage 0 hold the embedding); plan "
+                f"without --fully-sharded, or with --pipeline-schedule interleaved-zb and --fully-sharded zero2")
+    if fully_sharded != "zero2":
+        return (f"--pipeline-schedule {schedule} with fully sharded data parallelism needs the weights kept "
+                f"gathered from each forward to its weight pass (fairseq-train's --no-reshard-after-forward); "
+                f"plan with --fully-sharded zero2")
+    return None
+
+
 def _divisors(n: int) -> List[int]:
     """The divisors of ``n``, ascending, in O(sqrt(n)) steps (a billion layers take 31,623)."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
@@ -278,10 +301,9 @@ def _why_no_layout(m, gpus, gpus_per_node, micro_batch, global_batch, vp=None, s
                    fully_sharded=None) -> str:
     from fairseq_megatron.training.pipeline_schedules import SCHEDULES
 
-    if schedule is not None and fully_sharded and SCHEDULES[schedule].splits_backward:
-        return (f"--pipeline-schedule {schedule} does not work with fully sharded data parallelism (fairseq-train "
-                f"refuses it: torch's weight pass adds its gradients outside FSDP2's reduce-scatter); plan without "
-                f"--fully-sharded, or with --pipeline-schedule 1f1b or interleaved-1f1b")
+    refusal = fully_sharded_refusal(schedule, fully_sharded) if schedule is not None else None
+    if refusal is not None:
+        return refusal
     if schedule is not None:
         return (f"no layout runs --pipeline-schedule {schedule}" + (f" at --vp {vp}" if vp is not None else "")
                 + ": it needs the layers of a stage divisible by its chunks and enough micro batches per update "

@@ -39,7 +39,7 @@ import torch.nn as nn
 from fairseq.utils import safe_getattr
 
 from fairseq_megatron.errors import UsageError
-from fairseq_megatron.models.pipeline_stage import pipeline_stages
+from fairseq_megatron.models.pipeline_stage import V_SHAPE, pipeline_stages
 from fairseq_megatron.modules.parameter_attributes import KeepsParameterAttributes
 from fairseq_megatron.training.pipeline_schedules import schedule_of
 
@@ -144,8 +144,10 @@ def check_fully_sharded(distributed, common, ema, model, checkpoint=None) -> Non
     time; ``--cuda-graphs`` would replay addresses of parameters FSDP2
     gathers anew each step; fairseq's EMA keeps a whole model copy and its
     ``--amp`` optimizer does not use FSDP2's mixed-precision policy; the
-    pipeline schedules that split the backward add the weight pass's
-    gradients where FSDP2 does not reduce them; a save,
+    pipeline schedules that split the backward need the gathered weights
+    kept from each forward to its weight pass (``--no-reshard-after-forward``),
+    and those that place the chunks in a V cannot shard the tied embedding
+    both of a rank's chunks hold; a save,
     which every rank takes part in (each writes its optimizer shard, one
     commit of all), is written synchronously to a local directory.
 
@@ -177,9 +179,23 @@ def check_fully_sharded(distributed, common, ema, model, checkpoint=None) -> Non
         if given:
             raise UsageError(f"{flag} does not work with --ddp-backend fully_sharded ({reason}); drop it, or use "
                              f"--ddp-backend pytorch_ddp")
+    _check_pipeline_schedule(distributed, model)
+
+
+def _check_pipeline_schedule(distributed, model) -> None:
+    """Refuse the pipeline schedules FSDP2 does not train right under
+    :func:`check_fully_sharded`'s options (see there)."""
     schedule = schedule_of(model)
     if pipeline_stages(model) > 1 and schedule.splits_backward:
-        raise UsageError(f"--pipeline-schedule {schedule.name} does not work with --ddp-backend fully_sharded: torch's "
-                         f"weight pass of the split backward (torch.distributed.pipelining's stage_backward_weight) "
-                         f"adds its gradients outside FSDP2's reduce-scatter, and training departs from one model "
-                         f"copy's; use --ddp-backend legacy_ddp, or --pipeline-schedule 1f1b or interleaved-1f1b")
+        if schedule.placement == V_SHAPE and safe_getattr(model, "share_decoder_input_output_embed", False):
+            raise UsageError(f"--pipeline-schedule {schedule.name} with tied embeddings does not work with "
+                             f"--ddp-backend fully_sharded: its V places the first and the last model chunk on one "
+                             f"rank, both holding the tied embedding, and FSDP2 shards each chunk as its own root, "
+                             f"which cannot share a tensor; use --pipeline-schedule interleaved-zb (with "
+                             f"--no-reshard-after-forward), or --ddp-backend legacy_ddp")
+        if not getattr(distributed, "no_reshard_after_forward", False):
+            raise UsageError(f"--pipeline-schedule {schedule.name} with --ddp-backend fully_sharded needs "
+                             f"--no-reshard-after-forward: torch's split backward finds a chunk's weights among the "
+                             f"parameters its module holds when the input pass runs (stage_backward_input), and after "
+                             f"a resharding forward those are FSDP2's shards, not the gathered weights the forward "
+                             f"used, so that micro-batch's weight gradients would never be computed")

@@ -6,7 +6,8 @@ with ``--clip-norm``.
 
 One ``pytorch_ddp`` run at T 1 x D 2 is the reference for every sharded run:
 T 1 x D 2 (ZeRO-3, and ZeRO-2 with ``--no-reshard-after-forward``),
-and P 2 x D 2; T 2 x D 2 against ``pytorch_ddp`` at T 2 x D 2. Pipeline
+and P 2 x D 2 (1F1B, and interleaved-zb, whose backward torch splits);
+T 2 x D 2 against ``pytorch_ddp`` at T 2 x D 2. Pipeline
 parallelism gives the same training as one stage up to the order of fp32
 sums (tests/distributed/test_pipeline_parallel.py), and so does sharding
 (reduce-scatter instead of all-reduce): the tolerances are those of
@@ -38,12 +39,17 @@ def _run(tmp_path, name, tensor=1, stages=1, data=2, backend="fully_sharded", ex
 
 
 def test_fully_sharded_trains_as_pytorch_ddp(tmp_path):
-    """One test, so that each reference runs once: ZeRO-3, ZeRO-2 and P 2
-    against the T 1 reference, T 2 against a T 2 reference (tensor
-    parallelism changes the order of sums, and Adam moves the weights whose
-    gradients are zero up to rounding differently)."""
+    """One test, so that each reference runs once: ZeRO-3, ZeRO-2, P 2 and
+    P 2 under interleaved-zb at 2 chunks per stage (whose split backward
+    needs ``--no-reshard-after-forward``) against the T 1 reference, T 2
+    against a T 2 reference (tensor parallelism changes the order of sums,
+    and Adam moves the weights whose gradients are zero up to rounding
+    differently)."""
     reference = _run(tmp_path, "ddp", backend="pytorch_ddp")
-    for name, stages, extra in (("zero3", 1, ()), ("zero2", 1, ("--no-reshard-after-forward",)), ("p2", 2, ())):
+    zero_bubble = ("--pipeline-schedule", "interleaved-zb", "--virtual-pipeline-model-parallel-size", "2",
+                   "--no-reshard-after-forward")
+    for name, stages, extra in (("zero3", 1, ()), ("zero2", 1, ("--no-reshard-after-forward",)), ("p2", 2, ()),
+                                ("p2-interleaved-zb", 2, zero_bubble)):
         results = _run(tmp_path, name, stages=stages, extra=extra)
         # every parameter a DTensor sharded over the data-parallel ranks
         assert all(r["sharded"] == r["names"] and r["names"] for r in results), name

@@ -4,7 +4,9 @@ fairseq's trainer (our ``MegatronTrainer``) trains a 4-layer model with tied
 embeddings, no dropout, for 20 updates of 4 micro-batches (3 for the layouts
 of 4 processes, in half precision and untied), the last update
 ending an epoch (a short last batch with a short last block, and one sample
-fewer than ``--update-freq``), at P = 2 and P = 4, at T 2 x P 2 (with
+fewer than ``--update-freq``), at P = 2 and P = 4 (1F1B, and ZB-1P:
+interleaved-zb at one chunk per stage), at P = 2 under ``--ddp-backend
+fully_sharded`` with one model copy, at T 2 x P 2 (with
 activation checkpointing and sequence parallelism; 1F1B and zbv) and at
 D 2 x P 2 (1F1B and interleaved-zb). Each
 run is compared with a one-stage run of the same tensor-parallel size,
@@ -125,6 +127,18 @@ def test_stages_match_one_stage(tmp_path, runs):
         _check_tied_copies(results, stages)
         compare_runs(results, reference)
         assert {r["schedule"] for r in results} == {"Schedule1F1B"}
+    # sharded data parallelism at one data-parallel rank: fairseq moves the model to its device itself
+    # there (.to(), which converts the tied embedding once for each module that holds it)
+    results = _run(tmp_path, "p2-fully-sharded", 1, 2, extra=("--ddp-backend", "fully_sharded"))
+    _check_split(results, 1, 2, 1)
+    _check_tied_copies(results, 2)
+    compare_runs(results, reference)
+    # a zero-bubble schedule at 4 stages: interleaved-zb at one chunk per stage, ZB-1P
+    results = _run(tmp_path, "p4-zb", 1, 4, extra=("--pipeline-schedule", "interleaved-zb"))
+    _check_split(results, 1, 4, 1)
+    _check_tied_copies(results, 4)
+    compare_runs(results, reference)
+    assert {r["schedule"] for r in results} == {"ScheduleInterleavedZeroBubble"}
     # the interleaved schedule: 2 stages of 2 model chunks, rank 0 holding layers 0 and 2, rank 1 layers 1 and 3
     results = interleaved
     _check_split(results, 1, 2, 1, virtual=2)

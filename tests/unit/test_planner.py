@@ -509,10 +509,14 @@ def test_cli_refuses_bandwidths_and_margins_that_are_not_positive(capsys, argv, 
     (["--pipeline-schedule", "dualpipev", "--pp", "8"],
      "error: --decoder-layers 72 is not divisible by --pipeline-model-parallel-size 8 x 2 model chunks per stage "
      "(--pipeline-schedule zbv and dualpipev) (each stage holds the same number of layers)"),
-    (["--pipeline-schedule", "zbv", "--pp", "4", "--fully-sharded"],
-     "error: --pipeline-schedule zbv does not work with fully sharded data parallelism (fairseq-train refuses it: "
-     "torch's weight pass adds its gradients outside FSDP2's reduce-scatter); plan without --fully-sharded, or with "
-     "--pipeline-schedule 1f1b or interleaved-1f1b"),
+    (["--pipeline-schedule", "zbv", "--pp", "4", "--fully-sharded", "zero2"],
+     "error: --pipeline-schedule zbv does not work with fully sharded data parallelism and tied embeddings "
+     "(fairseq-train refuses it: both model chunks of stage 0 hold the embedding); plan without --fully-sharded, or "
+     "with --pipeline-schedule interleaved-zb and --fully-sharded zero2"),
+    (["--pipeline-schedule", "interleaved-zb", "--pp", "4", "--fully-sharded"],
+     "error: --pipeline-schedule interleaved-zb with fully sharded data parallelism needs the weights kept gathered "
+     "from each forward to its weight pass (fairseq-train's --no-reshard-after-forward); plan with --fully-sharded "
+     "zero2"),
     (["--pipeline-schedule", "dualpipev", "--pp", "4", "--tp", "2", "--micro-batch", "16"],  # 4 micro batches, 8 chunks
      "error: no layout runs --pipeline-schedule dualpipev: it needs the layers of a stage divisible by its chunks and "
      "enough micro batches per update (fairseq-train --pipeline-schedule)"),

@@ -437,6 +437,18 @@ def _holds_this_stage(mine, layout) -> bool:
     return saved.chunks == layout.chunks
 
 
+def _saved_pipeline_options(saved: dict) -> str:
+    """fairseq-train's options for the pipeline layout the stage checkpoint ``saved`` was saved at."""
+    from fairseq_megatron.checkpoint.layout import arguments_of
+    from fairseq_megatron.checkpoint.resharding import model_config
+    from fairseq_megatron.training.pipeline_schedules import schedule_of, stage_layout
+
+    args = arguments_of(model_config(saved))
+    layout = stage_layout(args, 0)
+    return (f"--pipeline-model-parallel-size {layout.stages} --virtual-pipeline-model-parallel-size "
+            f"{layout.virtual} --pipeline-schedule {schedule_of(args).name}")
+
+
 def _refuse_another_layout(path: str, opened: OpenedSave, cfg, reset_optimizer: bool, same_names: bool) -> None:
     """A checkpoint of another layout resumes only with its optimizer state
     afresh (``--reset-optimizer``, as ``--finetune-from-model``), or cut for
@@ -454,7 +466,8 @@ def _refuse_another_layout(path: str, opened: OpenedSave, cfg, reset_optimizer: 
     files, saved_stages = opened.files, opened.stages
     size, stages = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()
     first = opened.read_through(opened.every_file[0])
-    check_part_count(path, files, read_checkpoint(first), saved_stages)  # parts or stages lost are not a layout
+    saved = read_checkpoint(first)
+    check_part_count(path, files, saved, saved_stages)  # parts or stages lost are not a layout
     save_dir = cfg.checkpoint.save_dir
     in_save_dir = (not cfg.checkpoint.no_save and os.path.basename(path).startswith("checkpoint")
                    and os.path.realpath(os.path.dirname(path)) == os.path.realpath(save_dir))
@@ -463,12 +476,13 @@ def _refuse_another_layout(path: str, opened: OpenedSave, cfg, reset_optimizer: 
                     f"--reset-optimizer" if in_save_dir else "start from its weights with --reset-optimizer "
                     "(as --finetune-from-model)")
     if not reset_optimizer and len(files) == size:  # another pipeline layout, without optimizer state to cut
-        sharded = bool(read_checkpoint(first).get("optimizer_shards"))
+        sharded = bool(saved.get("optimizer_shards"))
         raise UsageError(
             f"{path} was saved in {saved_stages} pipeline stage(s) with its optimizer state in shards "
-            f"(--ddp-backend fully_sharded), which resume only at the stages they were saved at: resume with "
-            f"--pipeline-model-parallel-size {saved_stages} and the chunks it was saved with, or {from_weights}, "
-            f"which splits them in memory" if sharded else
+            f"(--ddp-backend fully_sharded), which resume only at the layout they were saved at: resume with "
+            f"{_saved_pipeline_options(saved)}, or join them into one stage's (fairseq-megatron-reshard --input "
+            f"{path} --output NEW_DIR/checkpoint_last.pt --model-parallel-size {size} --keep-optimizer) and train "
+            f"with --save-dir NEW_DIR, or {from_weights}, which splits them in memory" if sharded else
             f"{path} holds no optimizer state to resume from: resume from a checkpoint that holds it, or "
             f"{from_weights}, which splits them in memory")
     if not reset_optimizer and (saved_stages > 1 or stages > 1):

@@ -172,6 +172,21 @@ def stage_part(state: dict, layout) -> dict:
     return part
 
 
+def _joined_shards(state: dict, part: str) -> dict:
+    """The whole optimizer state of ``state``, part file ``part`` saved under
+    ``--ddp-backend fully_sharded``, joined from its optimizer shards
+    (:func:`~fairseq_megatron.checkpoint.optimizer_shards.joined_optimizer_state`).
+
+    Raises:
+        CheckpointError: the shards' (missing, cut short, of another save),
+            or shards of other parameters than the part's model.
+    """
+    joined, order = joined_optimizer_state(state, part, saved_token(state))
+    if order != parameter_keys(list(state["model"]), aliases_of(state)):
+        raise CheckpointError(f"the optimizer shards of {part} are of other parameters than its model's")
+    return joined
+
+
 def restaged_optimizer_state(opened: OpenedSave, part: str, keys: List[str]) -> dict:
     """The optimizer state (fairseq's ``last_optimizer_state``) of tensor part
     ``part`` of the checkpoint ``opened`` (in pipeline stages of any
@@ -183,22 +198,28 @@ def restaged_optimizer_state(opened: OpenedSave, part: str, keys: List[str]) -> 
     the same, taken from the first stage), then numbered in the order of
     ``keys``; the optimizer's options (``param_groups``) and fairseq's loss
     scale are stage 0's. A flat state (fairseq's ``FP16Optimizer``) is
-    rebuilt flat over ``keys``. Memory: the stages' files memory-mapped and
+    rebuilt flat over ``keys``. A stage saved under ``--ddp-backend
+    fully_sharded`` has its optimizer shards joined first
+    (:func:`~fairseq_megatron.checkpoint.optimizer_shards.joined_optimizer_state`).
+    Memory: the stages' files memory-mapped, one stage's joined shards and
     this stage's state.
 
     Raises:
-        CheckpointError: a stage without optimizer state (saved in shards
-            under ``--ddp-backend fully_sharded``), optimizer state of other
-            parameters than the stage's model, more than one parameter group,
-            a key of ``keys`` that no stage holds.
+        CheckpointError: a stage without optimizer state; a stage's
+            optimizer shards missing, cut short or of other parameters;
+            optimizer state of other parameters than the stage's model,
+            more than one parameter group, a key of ``keys`` that no stage
+            holds.
     """
     per_key, rest, flat = {}, None, False
     for f in opened.stage_files(part):
         state = _load(opened.source(f), name=f)
         saved = state.get("last_optimizer_state")
+        if not saved and state.get("optimizer_shards"):  # saved under --ddp-backend fully_sharded
+            saved = _joined_shards(state, f)
         if not saved or "param_groups" not in saved:
-            raise CheckpointError(f"{f} holds no optimizer state (saved in shards under --ddp-backend "
-                                  f"fully_sharded): resume at the layout it was saved at, or with --reset-optimizer")
+            raise CheckpointError(f"{f} holds no optimizer state: resume at the layout it was saved at, or with "
+                                  f"--reset-optimizer")
         if len(saved["param_groups"]) != 1:
             raise CheckpointError(f"{f}: optimizer state of {len(saved['param_groups'])} parameter groups, which "
                                   f"are not split over other pipeline stages: resume with --reset-optimizer")
@@ -255,12 +276,31 @@ def _load(path: str, mmap: bool = True, name: Optional[str] = None) -> dict:
     return state
 
 
+_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def _in_layer_order(state: dict) -> dict:
+    """``state`` with its decoder layers' keys in layer order (each layer's
+    own keys in their order), where the stages listed them chunk by chunk
+    (layers 0 and 2, then 1 and 3, at two stages of two chunks); the other
+    keys before the first layer's stay before the layers, the rest after:
+    the order of a one-stage model's ``state_dict``, which is the order
+    fairseq's optimizer numbers its parameters in, and so the order the
+    optimizer state written beside it must follow."""
+    keys = list(state)
+    first = next((i for i, k in enumerate(keys) if _LAYER_KEY.match(k)), len(keys))
+    layers = sorted((k for k in keys if _LAYER_KEY.match(k)), key=lambda k: int(_LAYER_KEY.match(k).group(1)))
+    head = [k for k in keys[:first] if not _LAYER_KEY.match(k)]
+    tail = [k for k in keys[first:] if not _LAYER_KEY.match(k)]
+    return {k: state[k] for k in head + layers + tail}
+
+
 def merge_stages(states: List[dict], files: List[str]) -> dict:
     """One tensor part's checkpoint from its pipeline stages' (``states``,
     read from ``files``, stage order): the model's state dict and the EMA
     weights (where every stage holds them) are the union of the stages',
-    in stage order; everything else is stage 0's, its config recording one
-    stage. Keys held by two stages (the tied embedding's copy on the last,
+    their layers in layer order (:func:`_in_layer_order`); everything else
+    is stage 0's, its config recording one stage. Keys held by two stages (the tied embedding's copy on the last,
     ``decoder.version``) are checked to be equal, and a key that is the
     same tensor as another on its stage (the last stage's output projection
     tied to its copy of the embedding) is the same tensor in the merged
@@ -286,10 +326,10 @@ def merge_stages(states: List[dict], files: List[str]) -> dict:
                 out[key] = out[target]
         return out
 
-    merged["model"] = union([s["model"] for s in states])
+    merged["model"] = _in_layer_order(union([s["model"] for s in states]))
     extras = [s.get("extra_state") or {} for s in states]
     if all(e.get("ema") is not None for e in extras):
-        merged["extra_state"] = dict(extras[0], ema=union([e["ema"] for e in extras]))
+        merged["extra_state"] = dict(extras[0], ema=_in_layer_order(union([e["ema"] for e in extras])))
     merged.pop("last_optimizer_state", None)
     _set_stages(model_config(merged), 1, 1)
     return merged
@@ -402,9 +442,7 @@ class PartFiles:
                     joined = True  # kept in memory
                 if state.get("optimizer_shards") and not state.get("last_optimizer_state"):
                     joined = True  # saved under --ddp-backend fully_sharded: the shards joined, kept in memory
-                    state["last_optimizer_state"], order = joined_optimizer_state(state, f, saved_token(state))
-                    if order != parameter_keys(list(state["model"]), aliases_of(state)):
-                        raise CheckpointError(f"the optimizer shards of {f} are of other parameters than its model's")
+                    state["last_optimizer_state"] = _joined_shards(state, f)
                 if not state.get("last_optimizer_state"):
                     raise CheckpointError(f"{f} holds no optimizer state")
         if self.mmap and not joined:
@@ -728,11 +766,12 @@ def _part_numel(tensor: torch.Tensor, dim: Optional[int], num_inputs: int, num_o
 
 def _metadata_for_size(metadata: dict) -> dict:
     """Part 0's entries besides the model, for a checkpoint of another size:
-    without the optimizer state (:func:`_optimizer_part` builds each part's),
-    without the EMA state dicts (:func:`_model_part` builds each part's) and
-    without the per-rank RNG tracker states (a rank of the new size has no
-    counterpart; it is seeded afresh)."""
-    state = {k: v for k, v in metadata.items() if k != "last_optimizer_state"}
+    without the optimizer state (:func:`_optimizer_part` builds each part's,
+    whole: the count of optimizer shards a ``fully_sharded`` save recorded
+    is dropped too), without the EMA state dicts (:func:`_model_part`
+    builds each part's) and without the per-rank RNG tracker states (a rank
+    of the new size has no counterpart; it is seeded afresh)."""
+    state = {k: v for k, v in metadata.items() if k not in ("last_optimizer_state", "optimizer_shards")}
     state["extra_state"] = without_part_specific_state(state.get("extra_state"))
     return state
 

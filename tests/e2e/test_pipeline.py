@@ -151,26 +151,57 @@ def test_resuming_with_a_stage_file_gone_is_one_line_on_every_rank(runs, trained
 
 def test_resharding_keeps_the_optimizer_state_of_the_stages(runs, tmp_path):
     """``--keep-optimizer`` on the two-stage checkpoint (two chunks per
-    stage) writes the optimizer state of one stage: Adam's moments of every
-    parameter those of the one-stage run at the same update. Tolerance: the
+    stage) writes the optimizer state of one stage: the parameters in a
+    one-stage model's order, Adam's moments of every parameter those of the
+    one-stage run at the same update. Tolerance: the
     two runs differ by the order of fp32 sums carried through 6 updates
     (the module docstring), far below what a moment of another parameter,
     or of the tied embedding's unsynchronized copy, would differ by."""
-    from fairseq_megatron.checkpoint.layout import optimizer_state_per_parameter, parameter_keys
-    from fairseq_megatron.checkpoint.resharding import aliases_of
-
     root, _ = runs
     out = str(tmp_path / "one" / "checkpoint_last.pt")
     written = reshard(str(root / "pp2" / "checkpoint_last.pt"), out, 1, with_optimizer=True)
     assert written == [out]  # one part, one stage: one file
 
-    def moments(path):
-        state = torch.load(path, weights_only=False, map_location="cpu")
-        keys = parameter_keys(list(state["model"]), aliases_of(state))
-        return optimizer_state_per_parameter(state["last_optimizer_state"], state["model"], keys, path)[0]
-
-    joined, one_stage = moments(written[0]), moments(str(root / "pp1" / "checkpoint_last.pt"))
+    # the parameters in the order of a one-stage model, which fairseq's optimizer numbers its state by (the
+    # stages list layers 0 and 2, then 1 and 3)
+    order = [list(torch.load(path, weights_only=False, map_location="cpu")["model"])
+             for path in (written[0], str(root / "pp1" / "checkpoint_last.pt"))]
+    assert order[0] == order[1]
+    joined, one_stage = _moments(written[0]), _moments(str(root / "pp1" / "checkpoint_last.pt"))
     assert sorted(joined) == sorted(one_stage) and len(joined) > 20
     for key, theirs in one_stage.items():
         for name in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(joined[key][name], theirs[name], rtol=1e-3, atol=1e-6, msg=f"{key} {name}")
+
+
+def test_resharding_joins_the_optimizer_shards_of_sharded_stages(runs, trained, tmp_path):
+    """The same model under ``--ddp-backend fully_sharded`` (one data-parallel
+    rank: each stage's optimizer state saved as one shard beside it), two
+    stages of two chunks under ``interleaved-zb``: it trains as one stage,
+    and ``--keep-optimizer`` joins each stage's shards into one stage's
+    state, in a one-stage model's order, Adam's moments those of the
+    one-stage run (the tolerances of the test above)."""
+    root, logs = runs
+    log = _train(trained["data"], tmp_path / "zb", 2, 6, "--virtual-pipeline-model-parallel-size", "2",
+                 "--pipeline-schedule", "interleaved-zb", "--ddp-backend", "fully_sharded",
+                 "--no-reshard-after-forward")
+    for mine, theirs in zip(train_and_valid_losses(log), train_and_valid_losses(logs[1])):
+        assert_close_per_update(mine, theirs)
+    assert any(name.endswith("-optimizer-0.pt") for name in os.listdir(tmp_path / "zb"))  # saved in shards
+    out = str(tmp_path / "one" / "checkpoint_last.pt")
+    written = reshard(str(tmp_path / "zb" / "checkpoint_last.pt"), out, 1, with_optimizer=True)
+    joined, one_stage = _moments(written[0]), _moments(str(root / "pp1" / "checkpoint_last.pt"))
+    assert list(joined) == list(one_stage) and len(joined) > 20
+    for key, theirs in one_stage.items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(joined[key][name], theirs[name], rtol=1e-3, atol=1e-6, msg=f"{key} {name}")
+
+
+def _moments(path):
+    """Adam's state per parameter key of checkpoint ``path``, in the order its optimizer numbers them."""
+    from fairseq_megatron.checkpoint.layout import optimizer_state_per_parameter, parameter_keys
+    from fairseq_megatron.checkpoint.resharding import aliases_of
+
+    state = torch.load(path, weights_only=False, map_location="cpu")
+    keys = parameter_keys(list(state["model"]), aliases_of(state))
+    return optimizer_state_per_parameter(state["last_optimizer_state"], state["model"], keys, path)[0]

@@ -32,6 +32,14 @@ that is not yet sent) and the rest of the update (``other``: the
 optimizer, gradient norm and data-parallel steps, fairseq's bookkeeping),
 printed per rank, in ms per update (median of the runs).
 Needs ``P`` free cores for the times to mean anything.
+
+Memory: every process runs with glibc's malloc told to keep what it frees
+(:data:`KEEP_FREED_MEMORY`, unless ``--system-malloc``), as a GPU's caching
+allocator does. By default glibc returns each large freed block to the
+kernel and takes fresh pages for the next, each page faulted in on first
+touch; a split backward holds more gradients at once, so it pays more of
+that than the whole backward does: a cost of the CPU's allocator, not of
+the schedule (measured in docs/benchmarks.md, "Pipeline bubble").
 """
 
 import argparse
@@ -54,6 +62,10 @@ sys.path.insert(0, REPO)
 LAYERS, HIDDEN, FFN, HEADS, ROWS, LENGTH, VOCAB = 16, 256, 1024, 8, 8, 128, 1000
 SCHEDULES = ("1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
 CHUNKED = {"interleaved-1f1b": 2, "interleaved-zb": 2}  # the model chunks per stage of the loop-placed schedules
+# glibc malloc's tunables (mallopt(3)): no block mapped on its own below 32 MiB (the largest threshold
+# glibc takes), freed memory not trimmed back to the kernel, and 512 MiB more taken each time the heap grows
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2 ** 20), "MALLOC_TRIM_THRESHOLD_": str(16 * 2 ** 30),
+                     "MALLOC_TOP_PAD_": str(512 * 2 ** 20)}
 
 
 def _trainer(stages: int, micro_batches: int, schedule: str, virtual: int):
@@ -225,6 +237,9 @@ def main(argv=None) -> int:
     p.add_argument("--trace", action="store_true",
                    help="also print each rank's point-to-point waits by phase of the update (warm-up, steady, "
                         "cool-down: count and ms) and gloo's one-way time for one micro-batch's activations")
+    p.add_argument("--system-malloc", action="store_true",
+                   help="leave glibc's malloc at its defaults (each large freed block returned to the kernel) rather "
+                        "than keeping freed memory for reuse, as a GPU's caching allocator does")
     args = p.parse_args(argv)
     if args.stages < 2 or args.steps < 1 or args.repeats < 1 or LAYERS % (2 * args.stages):
         p.error(f"--stages at least 2, with 2 x --stages dividing {LAYERS}; --steps and --repeats at least 1")
@@ -234,6 +249,11 @@ def main(argv=None) -> int:
             if m < needed or (name in CHUNKED and m % args.stages):
                 p.error(f"--micro-batches {m}: {name} needs at least {needed} at --stages {args.stages}"
                         + (", a multiple of the stages" if name in CHUNKED else "") + "; leave it out")
+    if not args.system_malloc:  # read by each process glibc starts, so set before the runs spawn theirs
+        for name, value in KEEP_FREED_MEMORY.items():
+            os.environ.setdefault(name, value)
+    kept = ", ".join(f"{name}={os.environ.get(name)}" for name in KEEP_FREED_MEMORY)
+    print("malloc: glibc's defaults" if args.system_malloc else f"malloc: freed memory kept for reuse ({kept})")
     print(f"{LAYERS} layers x {HIDDEN} hidden, micro-batch {ROWS} x {LENGTH} tokens, fp32, 1 thread per process, "
           f"P = {args.stages}, {args.repeats} run(s) of {args.steps} timed updates each; times in ms per update "
           f"(median of the runs, then lowest-highest)")

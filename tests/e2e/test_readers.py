@@ -126,7 +126,7 @@ def test_readers_beside_a_training_that_saves_every_update(trained, tmp_path):
     weights are bitwise those of the interval checkpoint of the save it
     names. FAIRSEQ_MEGATRON_READER_UPDATES sets the updates (200 is the
     documented check, docs/testing.md)."""
-    updates = int(os.environ.get("FAIRSEQ_MEGATRON_READER_UPDATES", "25"))
+    updates = int(os.environ.get("FAIRSEQ_MEGATRON_READER_UPDATES", "40"))
     save_dir = tmp_path / "ckpt"
     args = train_args(trained["data"], str(save_dir), updates) + ["--save-interval-updates", "1"]
     last = str(save_dir / "checkpoint_last.pt")

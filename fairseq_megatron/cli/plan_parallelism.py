@@ -16,7 +16,7 @@ gradient accumulation steps, parameters and memory per GPU (weights,
 gradients, optimizer state, activations), its predicted time per step, model
 TFLOP/s per GPU and the share of each cost, and a recommendation: the
 fastest predicted that fits the GPU's memory less a margin. With
---pipeline-schedule every layout of several stages runs that schedule
+--pipeline-schedule only layouts of several stages, each running that schedule
 (fairseq-train's option: the same names and checks), its activations in
 flight and its bubble as fairseq_megatron/training/pipeline_schedules.py
 counts them. Without
@@ -87,7 +87,7 @@ def _add_pipeline_arguments(p) -> None:
     p.add_argument("--vp", "--virtual-pipeline-model-parallel-size", dest="vp", type=positive(int),
                    help="model chunks per pipeline stage (the interleaved schedules; default: the fastest that fits)")
     p.add_argument("--pipeline-schedule", metavar="NAME",
-                   help="plan every layout of several stages with this schedule of fairseq-train's "
+                   help="plan only layouts of several stages, each with this schedule of fairseq-train's "
                         "--pipeline-schedule: 1f1b, interleaved-1f1b, interleaved-zb, zbv or dualpipev (default: "
                         "1f1b, or interleaved-1f1b with more than one chunk per stage, as fairseq-train)")
 

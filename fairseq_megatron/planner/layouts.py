@@ -93,9 +93,9 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
     (default: the ``a100-80gb`` preset); ``gpu_memory_gb`` is its memory, of
     which ``margin_gb`` (default :func:`default_margin_gb`) is kept free.
     ``fused_elementwise``: ``--compile-layers`` (``Training``). ``schedule``:
-    a ``--pipeline-schedule`` name that every layout of several stages runs
-    where fairseq-train's checks pass (:func:`schedule_refusal`; no split
-    backward fully sharded), at its chunks or the fastest it can run.
+    a ``--pipeline-schedule`` name: only layouts of several stages, each
+    running it where fairseq-train's checks pass (:func:`schedule_refusal`;
+    :func:`fully_sharded_refusal`), at its chunks or the fastest it can run.
 
     Valid: TP divides the heads and the FFN size and stays within a node
     (TP divides ``gpus_per_node``), PP divides the layers, DP = gpus / (TP*PP*CP)
@@ -128,6 +128,8 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
     if refused:
         raise PlanError(refused)
     candidates = candidate_layouts(m, gpus // cp, gpus_per_node, micro_batch, global_batch, tp, pp, stride=cp)
+    if schedule is not None:  # a schedule asks for a pipeline: one stage would not run it
+        candidates = [c for c in candidates if c[1] > 1]
     layouts = [lay for lay in (_fastest_chunks(m, candidate, training, cluster, cp, vp, gpu_memory_gb - margin,
                                                schedule) for candidate in candidates) if lay is not None]
     if not layouts:
@@ -306,8 +308,8 @@ def _why_no_layout(m, gpus, gpus_per_node, micro_batch, global_batch, vp=None, s
         return refusal
     if schedule is not None:
         return (f"no layout runs --pipeline-schedule {schedule}" + (f" at --vp {vp}" if vp is not None else "")
-                + ": it needs the layers of a stage divisible by its chunks and enough micro batches per update "
-                  "(fairseq-train --pipeline-schedule)")
+                + ": it needs at least 2 pipeline stages, the layers of a stage divisible by its chunks and enough "
+                  "micro batches per update (fairseq-train --pipeline-schedule)")
     if vp is not None:
         return (f"no layout gives its pipeline stages {vp} model chunks each (the interleaved schedule needs the "
                 f"layers of a stage divisible by {vp} and the micro batches per update by the stages)")

@@ -518,14 +518,30 @@ def test_cli_refuses_bandwidths_and_margins_that_are_not_positive(capsys, argv, 
      "from each forward to its weight pass (fairseq-train's --no-reshard-after-forward); plan with --fully-sharded "
      "zero2"),
     (["--pipeline-schedule", "dualpipev", "--pp", "4", "--tp", "2", "--micro-batch", "16"],  # 4 micro batches, 8 chunks
-     "error: no layout runs --pipeline-schedule dualpipev: it needs the layers of a stage divisible by its chunks and "
-     "enough micro batches per update (fairseq-train --pipeline-schedule)"),
+     "error: no layout runs --pipeline-schedule dualpipev: it needs at least 2 pipeline stages, the layers of a stage "
+     "divisible by its chunks and enough micro batches per update (fairseq-train --pipeline-schedule)"),
+    (["--pipeline-schedule", "zbv", "--pp", "1"],
+     "error: no layout runs --pipeline-schedule zbv: it needs at least 2 pipeline stages, the layers of a stage "
+     "divisible by its chunks and enough micro batches per update (fairseq-train --pipeline-schedule)"),
 ])
 def test_cli_refuses_margins_and_parallel_sizes_it_cannot_plan_in_one_line(capsys, argv, message):
     assert plan_parallelism.main(["--arch", "transformer_lm_megatron_11b", "--gpus", "8", "--global-batch", "64",
                                   *argv]) == 1
     out, err = capsys.readouterr()
     assert (out, err) == ("", message + "\n")
+
+
+def test_a_schedule_without_a_pipeline_size_plans_pipelines(capsys):
+    """A user who names a schedule asks for a pipeline: without ``--pp`` the
+    planner plans the layouts of several stages only (without the schedule
+    it recommends one stage for this 1.7B model: eight data-parallel copies)."""
+    argv = ["--layers", "24", "--hidden", "2304", "--heads", "24", "--gpus", "8", "--global-batch", "64", "--json"]
+    assert plan_parallelism.main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["recommended"]["pp"] == 1
+    assert plan_parallelism.main(argv + ["--pipeline-schedule", "zbv"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["layouts"] and all(row["pp"] > 1 for row in planned["layouts"])
+    assert planned["recommended"]["pp"] > 1 and planned["recommended"]["schedule"] == "zbv"
 
 
 @pytest.mark.parametrize("gpus,budget", [(1024, 1.0), (65536, 10.0)])

@@ -15,15 +15,22 @@ V-shaped ``zbv`` and ``dualpipev`` always run 2). Each configuration runs
 its ``--steps`` updates after the first (which builds the schedule).
 
 It prints per schedule the median update time over the runs and their
-spread (lowest to highest), the speed-up, and the idle share of the update:
-the share of the ``P``-stage update that is not the one-stage work divided
-by ``P``, ``1 - (t1 / P) / tP``, beside the share the schedule cannot avoid
-at equal forward, input-backward and weight-backward times
+spread (lowest to highest), the speed-up, and the idle share: the share
+of the pipeline's span (from the first rank entering the schedule's
+``step`` to the last leaving it) that a rank spends outside its chunks'
+forward and backward passes, the mean over the ranks; beside it the share
+the schedule cannot avoid at equal forward, input-backward and
+weight-backward times
 (:func:`fairseq_megatron.training.pipeline_schedules.idle_share_bound`: 1F1B
 ``(P - 1) / (m + P - 1)``, interleaved ``(P - 1) / (V m + P - 1)``, ZB-1P,
 ZB-V and DualPipeV from their papers). A split backward adds work (two
-passes where there was one): a lower idle share at a longer update is no
-win, so the update time stands beside it.
+walks of the graph where there was one), which the idle share does not
+count as idle: a lower idle share at a longer update is no win, so the
+update time stands beside it, and so does ``lost``, ``1 - (t1 / P) / tP``
+for the update's time ``t1`` at one stage and ``tP`` at ``P``: the share of
+the ``P`` ranks' time that does not go to the one-stage work (the idle
+share, the added work, the optimizer's share). Where no schedule adds work,
+the two differ by the optimizer's and fairseq's share of the update.
 
 Each rank also times its own stage's work: the forward and backward passes
 of its chunks (``compute``), the waits for its point-to-point messages
@@ -114,6 +121,17 @@ class _Intervals:
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
             setattr(stage._PipelineStageBase, name, self._timed(getattr(stage._PipelineStageBase, name), name))
         schedules._wait_batch_p2p = self._timed(schedules._wait_batch_p2p, "wait")
+        for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+            cls.step = self._spanned(cls.step)
+
+    def _spanned(self, step):
+        def spanned(*args, **kwargs):
+            self.span_start = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
+            try:
+                return step(*args, **kwargs)
+            finally:
+                self.span_end = time.monotonic()
+        return spanned
 
     def _phase(self) -> str:
         if not self.backwards:
@@ -140,6 +158,7 @@ class _Intervals:
 
     def reset(self):
         self.compute = self.wait = 0.0
+        self.span_start = self.span_end = 0.0
         self.forwards = self.backwards = 0
         self.waits = {phase: [0, 0.0] for phase in self.PHASES}  # count, seconds
 
@@ -196,15 +215,18 @@ def _time_updates(rank: int, stages: int, micro_batches: int, steps: int, schedu
         if step:
             seconds = time.perf_counter() - start
             updates.append((seconds, intervals.compute if intervals else seconds, intervals.wait if intervals else 0.0,
-                            intervals.waits if intervals else {}))
+                            intervals.waits if intervals else {},
+                            (intervals.span_start, intervals.span_end) if intervals else (0.0, seconds)))
     with open(f"{out}.{rank}", "w") as f:
         json.dump(updates, f)
     dist.destroy_process_group()
 
 
 def time_run(stages: int, micro_batches: int, steps: int, schedule: str = "1f1b", virtual: int = 1) -> dict:
-    """One run in fresh processes: the median update seconds, and per rank
-    the median seconds of compute and of point-to-point waits per update."""
+    """One run in fresh processes: the median update seconds, the median
+    idle share of the pipeline's span (see the module's docstring), and per
+    rank the median seconds of compute and of point-to-point waits per
+    update."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "seconds")
         mp.spawn(_time_updates, args=(stages, micro_batches, steps, schedule, virtual, os.path.join(tmp, "init"),
@@ -213,7 +235,11 @@ def time_run(stages: int, micro_batches: int, steps: int, schedule: str = "1f1b"
         for rank in range(stages):
             with open(f"{out}.{rank}") as f:
                 ranks.append(json.load(f))
-    return {"update": statistics.median(u[0] for u in ranks[0]),
+    idle = []
+    for updates in zip(*ranks):  # one update, every rank's figures
+        span = max(u[4][1] for u in updates) - min(u[4][0] for u in updates)
+        idle.append(statistics.mean(1 - u[1] / span for u in updates))
+    return {"update": statistics.median(u[0] for u in ranks[0]), "idle": statistics.median(idle),
             "compute": [statistics.median(u[1] for u in r) for r in ranks],
             "wait": [statistics.median(u[2] for u in r) for r in ranks],
             "phases": [{phase: (statistics.median(u[3][phase][0] for u in r), statistics.median(u[3][phase][1] for u in r))
@@ -258,7 +284,7 @@ def main(argv=None) -> int:
           f"P = {args.stages}, {args.repeats} run(s) of {args.steps} timed updates each; times in ms per update "
           f"(median of the runs, then lowest-highest)")
     print(f"{'m':>3} {'schedule':<17}{'V':>2} {'1 stage':>8} {'P stages':>9} {'spread':>11} {'speed-up':>8} "
-          f"{'idle':>6} {'bound':>6}  per rank: compute / p2p wait / other")
+          f"{'lost':>6} {'idle':>6} {'bound':>6}  per rank: compute / p2p wait / other")
     if args.trace:
         one_way = p2p_one_way_seconds()
         print(f"gloo, one micro-batch's activations ({ROWS} x {LENGTH} x {HIDDEN} fp32, "
@@ -272,7 +298,8 @@ def main(argv=None) -> int:
             v = CHUNKED.get(name, 2 if KNOWN[name].chunks == 2 else 1)
             runs = [time_run(args.stages, m, args.steps, name, v) for _ in range(args.repeats)]
             tp = statistics.median(r["update"] for r in runs)
-            idle = 1 - (t1 / args.stages) / tp
+            lost = 1 - (t1 / args.stages) / tp
+            idle = statistics.median(r["idle"] for r in runs)
             bound = idle_share_bound(KNOWN[name], args.stages, v, m)
             ranks = []
             for rank in range(args.stages):
@@ -280,7 +307,7 @@ def main(argv=None) -> int:
                 wait = statistics.median(r["wait"][rank] for r in runs)
                 ranks.append(f"{compute * 1e3:.0f} / {wait * 1e3:.0f} / {(tp - compute - wait) * 1e3:.0f}")
             print(f"{m:>3} {name:<17}{v:>2} {'':>8} {tp * 1e3:>9.0f} {_spread([r['update'] for r in runs]):>11} "
-                  f"{t1 / tp:>8.2f} {idle:>6.1%} {bound:>6.1%}  " + "; ".join(ranks), flush=True)
+                  f"{t1 / tp:>8.2f} {lost:>6.1%} {idle:>6.1%} {bound:>6.1%}  " + "; ".join(ranks), flush=True)
             if args.trace:
                 for rank in range(args.stages):
                     phases = [(phase, statistics.median(r["phases"][rank][phase][0] for r in runs),

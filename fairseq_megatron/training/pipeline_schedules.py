@@ -29,10 +29,11 @@ checkpoint: checkpoints keep each layer's global number
 (:mod:`fairseq_megatron.models.pipeline_stage`), so any checkpoint loads at
 any schedule (:func:`stage_layout`: what a stage holds).
 
-**Idle share** (:func:`idle_share_bound`): the share of the update a stage
-spends without work, ``1 - (t1 / P) / tP`` for the update's time ``t1`` at
-one stage and ``tP`` at ``P`` (what ``scripts/benchmark_pipeline_bubble.py``
-measures), for a perfectly balanced pipeline with free communication. With
+**Idle share** (:func:`idle_share_bound`): the share of the pipeline's
+span (its forward and backward passes of one update, first pass to last)
+that a stage spends outside its chunks' passes (what
+``scripts/benchmark_pipeline_bubble.py`` measures, the mean over the
+stages), for a perfectly balanced pipeline with free communication. With
 ``F``, ``B`` and ``W`` the times of one micro-batch's forward, input
 backward and weight backward over a whole stage, the update's work is
 ``m (F + B + W)`` and the bubble

@@ -445,8 +445,10 @@ def _saved_pipeline_options(saved: dict) -> str:
 
     args = arguments_of(model_config(saved))
     layout = stage_layout(args, 0)
+    counted = "".join(f" --account-for-{what}-in-pipeline-split" for what, flag in (
+        ("embedding", layout.account_for_embedding), ("loss", layout.account_for_loss)) if flag)
     return (f"--pipeline-model-parallel-size {layout.stages} --virtual-pipeline-model-parallel-size "
-            f"{layout.virtual} --pipeline-schedule {schedule_of(args).name}")
+            f"{layout.virtual} --pipeline-schedule {schedule_of(args).name}{counted}")
 
 
 def _refuse_another_layout(path: str, opened: OpenedSave, cfg, reset_optimizer: bool, same_names: bool) -> None:

@@ -124,11 +124,13 @@ def stage_layouts(config, stages: int, virtual: int = 1) -> list:
     Raises:
         UsageError: ``stages x virtual`` does not divide the decoder layers.
     """
-    from fairseq_megatron.models.pipeline_stage import PipelineStageLayout
+    from fairseq_megatron.models.pipeline_stage import LOOP, PipelineStageLayout
 
     layers = int(config_value(config, "decoder_layers"))
     tied = bool(config_value(config, "share_decoder_input_output_embed", False))
-    return [PipelineStageLayout(stage, stages, layers, tied, virtual) for stage in range(stages)]
+    counted = [stages > 1 and bool(config_value(config, f"account_for_{what}_in_pipeline_split", False))
+               for what in ("embedding", "loss")]
+    return [PipelineStageLayout(stage, stages, layers, tied, virtual, LOOP, *counted) for stage in range(stages)]
 
 
 def _set_stages(config, stages: int, virtual: int) -> None:

@@ -67,6 +67,17 @@ MODEL_ARGUMENTS = (
              "schedule: the pipeline bubble shrinks by V for V times the stages' point-to-point "
              "messages. Needs the layers divisible by P x V and --update-freq divisible by P; "
              "checkpoints keep the global layer numbers, so they load at any P and V")),
+    ("--account-for-embedding-in-pipeline-split", dict(
+        action="store_true",
+        help="with --pipeline-model-parallel-size above 1, count the embedding as one decoder layer in the "
+             "split: the layers plus one are split evenly over the P x V model chunks, and the first chunk "
+             "holds one decoder layer fewer (Megatron-Core's option). Checkpoints do not depend on it")),
+    ("--account-for-loss-in-pipeline-split", dict(
+        action="store_true",
+        help="with --pipeline-model-parallel-size above 1, count the output projection and the loss as one "
+             "decoder layer in the split: the last model chunk holds one decoder layer fewer, for a vocabulary "
+             "whose output projection costs about a layer (2 x vocabulary against 24 x hidden + 4 x sequence "
+             "FLOPs a token and hidden unit; Megatron-Core's option). Checkpoints do not depend on it")),
     ("--pipeline-schedule", dict(
         metavar="NAME",
         help="the schedule of the pipeline stages' micro-batches, one of torch's: 1f1b (the default; "

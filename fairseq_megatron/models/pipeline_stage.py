@@ -1,6 +1,8 @@
 """What one pipeline stage of the decoder holds.
 
-The decoder's ``L`` layers are split evenly over ``P`` stages: stage ``s``
+The decoder's ``L`` layers are split evenly over ``P`` stages (or with one
+fewer on the first and last, :class:`PipelineStageLayout`'s
+``account_for_embedding`` and ``account_for_loss``): stage ``s``
 holds layers ``s L / P`` to ``(s + 1) L / P - 1``, the first stage also the
 token and position embeddings, the last the final layer norm and the output
 projection (Megatron-LM ``megatron/core/models/gpt/gpt_model.py``:
@@ -65,10 +67,21 @@ class PipelineStageLayout:
     (torch's loop placement); ``"v"`` (two chunks), stage ``s`` holds
     ``s`` and ``2P - 1 - s``, so stage 0 holds the first chunk and the last.
 
+    ``account_for_embedding`` / ``account_for_loss`` (Megatron-Core's
+    ``--account-for-embedding-in-pipeline-split`` and
+    ``--account-for-loss-in-pipeline-split``, ``TransformerConfig``): the
+    embedding / the output projection and loss count as one layer each in
+    the split, so the ``L + e + l`` layers are split evenly over the
+    virtual stages and the first / last chunk holds one decoder layer fewer
+    than the others; for a vocabulary whose output projection costs about
+    a layer (Megatron-11b: ``2 h V`` FLOPs a token against a layer's
+    ``24 h^2 + 4 s h``) the last stage then does the others' work.
+
     Raises (on construction):
-        UsageError: ``stages x virtual`` does not divide ``layers``, a V
-            placement of other than 2 chunks, or ``stage`` is not in
-            ``0 .. stages - 1``.
+        UsageError: ``stages x virtual`` does not divide ``layers`` (plus
+            the embedding and loss counted), a chunk left without a decoder
+            layer, a V placement of other than 2 chunks, or ``stage`` is
+            not in ``0 .. stages - 1``.
     """
 
     stage: int
@@ -77,16 +90,23 @@ class PipelineStageLayout:
     tied_embeddings: bool
     virtual: int = 1
     placement: str = LOOP
+    account_for_embedding: bool = False
+    account_for_loss: bool = False
 
     def __post_init__(self):
-        if self.stages < 1 or self.virtual < 1 or self.layers % (self.stages * self.virtual):
+        counted = self.layers + self.account_for_embedding + self.account_for_loss
+        if self.stages < 1 or self.virtual < 1 or counted % (self.stages * self.virtual):
             flags = f"--pipeline-model-parallel-size {self.stages}"
             if self.placement == V_SHAPE:
                 flags += f" x {self.virtual} model chunks per stage (--pipeline-schedule zbv and dualpipev)"
             elif self.virtual > 1:
                 flags += f" x --virtual-pipeline-model-parallel-size {self.virtual}"
-            raise UsageError(f"--decoder-layers {self.layers} is not divisible by {flags} (each stage holds the same "
-                             f"number of layers)")
+            raise UsageError(f"--decoder-layers {self.layers}{self._counted_as_layers()} is not divisible by {flags} "
+                             f"(each stage holds the same number of layers)")
+        if min(len(chunk.layers) for chunk in self._all_chunks()) < 1:
+            raise UsageError(f"--decoder-layers {self.layers}{self._counted_as_layers()} over {self.stages} x "
+                             f"{self.virtual} model chunks leaves the first or last chunk without a decoder layer: "
+                             f"drop --account-for-embedding-in-pipeline-split or --account-for-loss-in-pipeline-split")
         if not 0 <= self.stage < self.stages:
             raise UsageError(f"pipeline stage {self.stage} of {self.stages} does not exist")
         if self.placement not in (LOOP, V_SHAPE) or (self.placement == V_SHAPE and self.virtual != 2):
@@ -99,13 +119,27 @@ class PipelineStageLayout:
             return [stage, total - 1 - stage]
         return list(range(stage, total, self.stages))
 
+    def _counted_as_layers(self) -> str:
+        counted = [what for what, flag in (("the embedding", self.account_for_embedding),
+                                           ("the loss", self.account_for_loss)) if flag]
+        each = "counted as a layer" if len(counted) == 1 else "each counted as a layer"
+        return f" + {len(counted)} ({' and '.join(counted)}, {each})" if counted else ""
+
+    def _all_chunks(self) -> List[Chunk]:
+        """Every virtual stage, in the order a micro-batch passes them: ``n``
+        counted layers each, the first's less the embedding and the last's
+        less the loss where they count."""
+        total = self.stages * self.virtual
+        first = int(self.account_for_embedding)
+        per_chunk = (self.layers + first + self.account_for_loss) // total
+        return [Chunk(i, range(max(0, i * per_chunk - first), min(self.layers, (i + 1) * per_chunk - first)),
+                      i == 0, i == total - 1) for i in range(total)]
+
     @property
     def chunks(self) -> List[Chunk]:
         """This stage's model chunks, in order (one without interleaving)."""
-        total = self.stages * self.virtual
-        per_chunk = self.layers // total
-        return [Chunk(i, range(i * per_chunk, (i + 1) * per_chunk), i == 0, i == total - 1)
-                for i in self.chunk_indices(self.stage)]
+        every = self._all_chunks()
+        return [every[i] for i in self.chunk_indices(self.stage)]
 
     @property
     def last_stage(self) -> int:

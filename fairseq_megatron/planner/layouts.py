@@ -128,8 +128,6 @@ def plan(m: ModelShape, gpus: int, gpus_per_node: int, gpu_memory_gb: float, mic
     if refused:
         raise PlanError(refused)
     candidates = candidate_layouts(m, gpus // cp, gpus_per_node, micro_batch, global_batch, tp, pp, stride=cp)
-    if schedule is not None:  # a schedule asks for a pipeline: one stage would not run it
-        candidates = [c for c in candidates if c[1] > 1]
     layouts = [lay for lay in (_fastest_chunks(m, candidate, training, cluster, cp, vp, gpu_memory_gb - margin,
                                                schedule) for candidate in candidates) if lay is not None]
     if not layouts:
@@ -167,10 +165,12 @@ def _fastest_chunks(m: ModelShape, candidate: Tuple[int, int, int, int], trainin
     """The ``(TP, PP, DP, accumulation)`` candidate with the number of
     model chunks per stage (``vp``, else each it can run) predicted fastest
     among those that fit ``usable_gb`` (the fewest if none fits); None when
-    it cannot run ``vp`` (or ``schedule``)."""
+    it cannot run ``vp`` (or ``schedule``, which one stage does not run)."""
     from fairseq_megatron.training.pipeline_schedules import SCHEDULES
 
     t, p, dp, accumulation = candidate
+    if schedule is not None and p == 1:  # a schedule asks for a pipeline
+        return None
     if schedule is not None and p > 1:
         fixed = SCHEDULES[schedule].chunks
         chunks = [vp or fixed] if fixed is not None or vp is not None else _divisors(m.layers // p)

@@ -171,8 +171,10 @@ def stage_layout(args, stage: Optional[int] = None) -> PipelineStageLayout:
     """What ``stage`` (by default this rank's stage in its pipeline group)
     holds under model config ``args`` (``--pipeline-model-parallel-size``,
     ``--pipeline-schedule``, ``--virtual-pipeline-model-parallel-size``,
-    ``--decoder-layers``, ``--share-decoder-input-output-embed``): its
-    chunks placed as the schedule places them.
+    ``--decoder-layers``, ``--share-decoder-input-output-embed``,
+    ``--account-for-embedding-in-pipeline-split``,
+    ``--account-for-loss-in-pipeline-split``): its chunks placed as the
+    schedule places them.
 
     Raises:
         UsageError: an unknown schedule, a number of chunks it does not run,
@@ -183,7 +185,9 @@ def stage_layout(args, stage: Optional[int] = None) -> PipelineStageLayout:
         stage = parallel_state.get_pipeline_model_parallel_rank() if stages > 1 else 0
     placement, chunks = (schedule_of(args).placement, chunks_per_stage(args)) if stages > 1 else (LOOP, 1)
     return PipelineStageLayout(stage, stages, int(args.decoder_layers),
-                               bool(safe_getattr(args, "share_decoder_input_output_embed", False)), chunks, placement)
+                               bool(safe_getattr(args, "share_decoder_input_output_embed", False)), chunks, placement,
+                               *(stages > 1 and bool(safe_getattr(args, f"account_for_{what}_in_pipeline_split", False))
+                                 for what in ("embedding", "loss")))
 
 
 def micro_batches_needed(schedule: Schedule, stages: int) -> int:

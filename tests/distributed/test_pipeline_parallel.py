@@ -4,7 +4,8 @@ fairseq's trainer (our ``MegatronTrainer``) trains a 4-layer model with tied
 embeddings, no dropout, for 20 updates of 4 micro-batches (3 for the layouts
 of 4 processes, in half precision and untied), the last update
 ending an epoch (a short last batch with a short last block, and one sample
-fewer than ``--update-freq``), at P = 2 and P = 4 (1F1B, and ZB-1P:
+fewer than ``--update-freq``), at P = 2, P = 3 (the embedding and the loss
+each counted as a layer: 1, 2 and 1 decoder layers) and P = 4 (1F1B, and ZB-1P:
 interleaved-zb at one chunk per stage), at P = 2 under ``--ddp-backend
 fully_sharded`` with one model copy, at T 2 x P 2 (with
 activation checkpointing and sequence parallelism; 1F1B and zbv) and at
@@ -91,11 +92,12 @@ def _last(results, updates):
     return [dict(r, losses=r["losses"][-updates:], norms=r["norms"][-updates:]) for r in results]
 
 
-def _check_split(results, tensor, stages, data, virtual=1, v_shape=False):
+def _check_split(results, tensor, stages, data, virtual=1, v_shape=False, held=None):
     """Every (tensor, data, stage) coordinate ran once, each rank holding
     only its stage's layers: with ``virtual`` model chunks per stage, those
     of virtual stages s, s + P, ... (``v_shape``: s and 2P - 1 - s, stage 0
-    holding the first chunk and the last)."""
+    holding the first chunk and the last); ``held``: each stage's layers,
+    where the split is not even."""
     coordinates = sorted(r["coordinates"] for r in results)
     assert coordinates == sorted((t, d, p) for t in range(tensor) for d in range(data) for p in range(stages))
     per_chunk = LAYERS // (stages * virtual)
@@ -104,7 +106,7 @@ def _check_split(results, tensor, stages, data, virtual=1, v_shape=False):
         stage = r["coordinates"][2]
         chunks = (stage, 2 * stages - 1 - stage) if v_shape else range(stage, stages * virtual, stages)
         layers = sorted(i for c in chunks for i in range(c * per_chunk, (c + 1) * per_chunk))
-        assert r["layers"] == layers, r["coordinates"]
+        assert r["layers"] == (layers if held is None else held[stage]), r["coordinates"]
         has = {n.split(".")[1] for n in r["names"]}
         assert ("embed_tokens" in has) == (stage in (0, last)), r["names"]
         assert ("layer_norm" in has) == (stage == last), r["names"]
@@ -132,6 +134,13 @@ def test_stages_match_one_stage(tmp_path, runs):
     results = _run(tmp_path, "p2-fully-sharded", 1, 2, extra=("--ddp-backend", "fully_sharded"))
     _check_split(results, 1, 2, 1)
     _check_tied_copies(results, 2)
+    compare_runs(results, reference)
+    # the embedding and the loss counted as layers in the split: 4 + 2 over 3 stages, 1, 2 and 1 decoder layers
+    results = _run(tmp_path, "p3-counted", 1, 3, extra=("--account-for-embedding-in-pipeline-split",
+                                                        "--account-for-loss-in-pipeline-split"))
+    assert sorted(len(r["layers"]) for r in results) == [1, 1, 2]
+    _check_split(results, 1, 3, 1, held={0: [0], 1: [1, 2], 2: [3]})
+    _check_tied_copies(results, 3)
     compare_runs(results, reference)
     # a zero-bubble schedule at 4 stages: interleaved-zb at one chunk per stage, ZB-1P
     results = _run(tmp_path, "p4-zb", 1, 4, extra=("--pipeline-schedule", "interleaved-zb"))

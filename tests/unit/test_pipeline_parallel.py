@@ -20,7 +20,7 @@ from fairseq_megatron.checkpoint.resharding import PartFiles, reshard, split_sta
 from fairseq_megatron.errors import UsageError
 from fairseq_megatron.training.options import check_pipeline_options
 from fairseq_megatron.training.data_parallel import check_pipeline_data_parallel_backend
-from fairseq_megatron.models.pipeline_stage import V_SHAPE, PipelineStageLayout
+from fairseq_megatron.models.pipeline_stage import LOOP, V_SHAPE, PipelineStageLayout
 from fairseq_megatron.parallel.parallel_state import ParallelLayout
 from fairseq_megatron.training.pipeline_schedule import stack_micro_batches
 from fairseq_megatron.training.pipeline_schedules import SCHEDULES, idle_share_bound, schedule_of, stage_layout
@@ -128,6 +128,28 @@ def test_idle_share_bounds_of_the_schedules():
     assert idle_share_bound(SCHEDULES["1f1b"], 1, 1, 8) == 0.0
 
 
+def test_the_embedding_and_the_loss_counted_as_layers():
+    """Megatron-Core's account_for_embedding/loss_in_pipeline_split: the
+    ``L + e + l`` counted layers split evenly, the first / last chunk one
+    decoder layer short (with chunks: the first and last virtual stage)."""
+    def held(stages, layers, virtual=1, placement=LOOP, embedding=False, loss=False):
+        return [PipelineStageLayout(s, stages, layers, True, virtual, placement, embedding, loss).held_layers
+                for s in range(stages)]
+
+    assert held(2, 7, loss=True) == [[0, 1, 2, 3], [4, 5, 6]]
+    assert held(2, 7, embedding=True) == [[0, 1, 2], [3, 4, 5, 6]]
+    assert held(3, 7, embedding=True, loss=True) == [[0, 1], [2, 3, 4], [5, 6]]
+    assert held(2, 7, 2, loss=True) == [[0, 1, 4, 5], [2, 3, 6]]  # chunks 0 and 2, 1 and 3
+    assert held(2, 6, 2, V_SHAPE, True, True) == [[0, 5], [1, 2, 3, 4]]  # chunks 0 and 3, 1 and 2
+    assert held(1, 5, loss=True) == [[0, 1, 2, 3, 4]]
+    with pytest.raises(UsageError, match=r"^--decoder-layers 8 \+ 1 \(the loss, counted as a layer\) is not "
+                                         r"divisible by --pipeline-model-parallel-size 2"):
+        PipelineStageLayout(0, 2, 8, True, account_for_loss=True)
+    with pytest.raises(UsageError, match=r"^--decoder-layers 2 \+ 2 \(the embedding and the loss, each counted as a "
+                                         r"layer\) over 2 x 2 model chunks leaves the first or last chunk without"):
+        PipelineStageLayout(0, 2, 2, True, 2, account_for_embedding=True, account_for_loss=True)
+
+
 def test_stage_refuses_stages_that_do_not_divide_the_layers():
     with pytest.raises(UsageError, match="--decoder-layers 5 is not divisible by --pipeline-model-parallel-size 2"):
         PipelineStageLayout(0, 2, 5, tied_embeddings=True)
@@ -192,6 +214,8 @@ def _args(**overrides):
      "--update-freq 3 is not divisible by --pipeline-model-parallel-size 2"),
     (dict(pipeline_schedule="zbv", compile_layers=True), "--compile-layers with --pipeline-schedule zbv"),
     (dict(pipeline_model_parallel_size=1, pipeline_schedule="zb"), "--pipeline-schedule zb: no such schedule"),
+    (dict(account_for_loss_in_pipeline_split=True),
+     r"--decoder-layers 4 \+ 1 \(the loss, counted as a layer\) is not divisible by --pipeline-model-parallel-size 2"),
 ])
 def test_pipeline_options_refused(overrides, message):
     with pytest.raises(UsageError, match=message):
@@ -208,6 +232,10 @@ def test_pipeline_options_accepted():
                                      virtual_pipeline_model_parallel_size=1 if name in ("1f1b", "zbv") else 2))
     # a schedule at one stage runs as one stage: a zbv checkpoint's config loaded at P = 1
     check_pipeline_options(_args(pipeline_model_parallel_size=1, pipeline_schedule="zbv", update_freq=[1]))
+    # the embedding and the loss count as layers in a pipeline's split only
+    check_pipeline_options(_args(decoder_layers=5, account_for_loss_in_pipeline_split=True))
+    check_pipeline_options(_args(pipeline_model_parallel_size=1, account_for_loss_in_pipeline_split=True,
+                                 account_for_embedding_in_pipeline_split=True, update_freq=[1]))
 
 
 def test_fully_sharded_with_the_schedules_that_split_the_backward():
@@ -316,3 +344,16 @@ def test_split_stages_refuses_layers_it_cannot_split(tmp_path):
     state = torch.load(path, weights_only=False)
     with pytest.raises(UsageError, match="not divisible by --pipeline-model-parallel-size 3"):
         split_stages(state, 3)
+
+
+def test_split_stages_follows_the_counted_layers_of_the_config(tmp_path):
+    """The resharding tool cuts stages as fairseq-train builds them: 3
+    layers with the loss counted, at 2 stages, 2 and 1 (evenly: refused)."""
+    path = str(tmp_path / "orig.pt")
+    save_checkpoint(path, 1, decoder_layers=3)
+    state = torch.load(path, weights_only=False)
+    state["cfg"]["model"].account_for_loss_in_pipeline_split = True
+    first, last = split_stages(state, 2)
+    assert [sorted({k.split(".")[2] for k in s["model"] if k.startswith("decoder.layers.")}) for s in (first, last)] \
+        == [["0", "1"], ["2"]]
+    assert "decoder.layer_norm.weight" in last["model"] and "decoder.layer_norm.weight" not in first["model"]

@@ -3,10 +3,12 @@
 
     python scripts/benchmark_pipeline_bubble.py [--stages 2] [--micro-batches 2 4 8]
         [--schedules 1f1b interleaved-1f1b interleaved-zb zbv dualpipev] [--steps 4] [--repeats 2]
+        [--layers 16] [--vocab 1000] [--account-for-loss] [--trace] [--system-malloc]
 
 For each number of micro-batches ``m`` this times one update of our
-``MegatronTrainer`` (fairseq's dummy_lm task; a 16 x 256 decoder, micro-batches
-of 8 x 128 tokens, fp32: the same work for every schedule) at one stage in
+``MegatronTrainer`` (fairseq's dummy_lm task; a 16 x 256 decoder by default,
+a 1000-symbol vocabulary, micro-batches of 8 x 128 tokens, fp32: the same
+work for every schedule) at one stage in
 one process and, under each schedule, at ``--stages P`` stages in ``P``
 processes (gloo), each process on one CPU thread; the interleaved schedules
 run 2 model chunks per stage (``interleaved-zb`` at ``V = 1`` is ZB-1P; the
@@ -58,6 +60,7 @@ import sys
 import tempfile
 import time
 import warnings
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -75,7 +78,7 @@ KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2 ** 20), "MALLOC_TRIM_T
                      "MALLOC_TOP_PAD_": str(512 * 2 ** 20)}
 
 
-def _trainer(stages: int, micro_batches: int, schedule: str, virtual: int):
+def _trainer(stages: int, micro_batches: int, schedule: str, virtual: int, shape: dict):
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
@@ -89,9 +92,10 @@ def _trainer(stages: int, micro_batches: int, schedule: str, virtual: int):
     layout = ["--pipeline-model-parallel-size", str(stages)]
     if stages > 1:
         layout += ["--pipeline-schedule", schedule, "--virtual-pipeline-model-parallel-size", str(virtual)]
+        layout += ["--account-for-loss-in-pipeline-split"] if shape["account_for_loss"] else []
     args = options.parse_args_and_arch(options.get_training_parser(), input_args=[
-        "--task", "dummy_lm", "--tokens-per-sample", str(LENGTH), "--dict-size", str(VOCAB),
-        "--batch-size", str(ROWS), "--arch", "transformer_lm_megatron", "--decoder-layers", str(LAYERS),
+        "--task", "dummy_lm", "--tokens-per-sample", str(LENGTH), "--dict-size", str(shape["vocab"]),
+        "--batch-size", str(ROWS), "--arch", "transformer_lm_megatron", "--decoder-layers", str(shape["layers"]),
         "--decoder-embed-dim", str(HIDDEN), "--decoder-ffn-embed-dim", str(FFN), "--decoder-attention-heads",
         str(HEADS), "--share-decoder-input-output-embed", "--criterion", "vocab_parallel_cross_entropy",
         "--optimizer", "adam", "--lr", "1e-4", "--update-freq", str(micro_batches), *layout, "--cpu", "--seed", "1",
@@ -195,13 +199,13 @@ def p2p_one_way_seconds() -> float:
             return json.load(f)
 
 
-def _time_updates(rank: int, stages: int, micro_batches: int, steps: int, schedule: str, virtual: int,
+def _time_updates(rank: int, stages: int, micro_batches: int, steps: int, schedule: str, virtual: int, shape: dict,
                   init_file: str, out: str) -> None:
     logging.basicConfig(level=logging.WARNING)  # fairseq's INFO lines, once per process and configuration
     warnings.simplefilter("ignore")  # fairseq's and fairscale's deprecation warnings at import (see pytest.ini)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=stages)
-    trainer, batches = _trainer(stages, micro_batches, schedule, virtual)
+    trainer, batches = _trainer(stages, micro_batches, schedule, virtual, shape)
     intervals = _Intervals(micro_batches * virtual) if stages > 1 else None
     updates = []
     for step in range(steps + 1):  # the first update builds the schedule and infers shapes: not timed
@@ -222,15 +226,17 @@ def _time_updates(rank: int, stages: int, micro_batches: int, steps: int, schedu
     dist.destroy_process_group()
 
 
-def time_run(stages: int, micro_batches: int, steps: int, schedule: str = "1f1b", virtual: int = 1) -> dict:
+def time_run(stages: int, micro_batches: int, steps: int, schedule: str = "1f1b", virtual: int = 1,
+             shape: Optional[dict] = None) -> dict:
     """One run in fresh processes: the median update seconds, the median
     idle share of the pipeline's span (see the module's docstring), and per
     rank the median seconds of compute and of point-to-point waits per
     update."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "seconds")
-        mp.spawn(_time_updates, args=(stages, micro_batches, steps, schedule, virtual, os.path.join(tmp, "init"),
-                                      out), nprocs=stages, join=True)
+        shape = shape or dict(layers=LAYERS, vocab=VOCAB, account_for_loss=False)
+        mp.spawn(_time_updates, args=(stages, micro_batches, steps, schedule, virtual, shape,
+                                      os.path.join(tmp, "init"), out), nprocs=stages, join=True)
         ranks = []
         for rank in range(stages):
             with open(f"{out}.{rank}") as f:
@@ -250,7 +256,16 @@ def _spread(values) -> str:
     return f"{min(values) * 1e3:.0f}-{max(values) * 1e3:.0f}"
 
 
+def _chunks(schedule: str) -> int:
+    """The model chunks per stage this script runs ``schedule`` with."""
+    from fairseq_megatron.training.pipeline_schedules import SCHEDULES as KNOWN
+
+    return CHUNKED.get(schedule, 2 if KNOWN[schedule].chunks == 2 else 1)
+
+
 def main(argv=None) -> int:
+    from fairseq_megatron.errors import UsageError
+    from fairseq_megatron.models.pipeline_stage import PipelineStageLayout
     from fairseq_megatron.training.pipeline_schedules import SCHEDULES as KNOWN, idle_share_bound, \
         micro_batches_needed
 
@@ -266,9 +281,21 @@ def main(argv=None) -> int:
     p.add_argument("--system-malloc", action="store_true",
                    help="leave glibc's malloc at its defaults (each large freed block returned to the kernel) rather "
                         "than keeping freed memory for reuse, as a GPU's caching allocator does")
+    p.add_argument("--layers", type=int, default=LAYERS, help="decoder layers")
+    p.add_argument("--vocab", type=int, default=VOCAB, help="dictionary size (dummy_lm's --dict-size)")
+    p.add_argument("--account-for-loss", action="store_true",
+                   help="count the output projection and the loss as a layer in the pipeline's split "
+                        "(--account-for-loss-in-pipeline-split): the last model chunk holds one layer fewer")
     args = p.parse_args(argv)
-    if args.stages < 2 or args.steps < 1 or args.repeats < 1 or LAYERS % (2 * args.stages):
-        p.error(f"--stages at least 2, with 2 x --stages dividing {LAYERS}; --steps and --repeats at least 1")
+    if args.stages < 2 or args.steps < 1 or args.repeats < 1 or args.layers < 1 or args.vocab < 1:
+        p.error("--stages at least 2; --steps, --repeats, --layers and --vocab at least 1")
+    shape = dict(layers=args.layers, vocab=args.vocab, account_for_loss=args.account_for_loss)
+    for name in args.schedules:  # fairseq-train's own check of the split, one line
+        try:
+            PipelineStageLayout(0, args.stages, args.layers, True, _chunks(name), KNOWN[name].placement, False,
+                                args.account_for_loss)
+        except UsageError as e:
+            p.error(f"--pipeline-schedule {name}: {e}")
     for m in args.micro_batches:
         for name in args.schedules:
             needed = micro_batches_needed(KNOWN[name], args.stages)
@@ -280,7 +307,8 @@ def main(argv=None) -> int:
             os.environ.setdefault(name, value)
     kept = ", ".join(f"{name}={os.environ.get(name)}" for name in KEEP_FREED_MEMORY)
     print("malloc: glibc's defaults" if args.system_malloc else f"malloc: freed memory kept for reuse ({kept})")
-    print(f"{LAYERS} layers x {HIDDEN} hidden, micro-batch {ROWS} x {LENGTH} tokens, fp32, 1 thread per process, "
+    counted = ", the loss counted as a layer in the split" if args.account_for_loss else ""
+    print(f"{args.layers} layers x {HIDDEN} hidden, vocabulary {args.vocab}{counted}, micro-batch {ROWS} x {LENGTH} tokens, fp32, 1 thread per process, "
           f"P = {args.stages}, {args.repeats} run(s) of {args.steps} timed updates each; times in ms per update "
           f"(median of the runs, then lowest-highest)")
     print(f"{'m':>3} {'schedule':<17}{'V':>2} {'1 stage':>8} {'P stages':>9} {'spread':>11} {'speed-up':>8} "
@@ -291,12 +319,12 @@ def main(argv=None) -> int:
               f"{ROWS * LENGTH * HIDDEN * 4 / 2 ** 20:.1f} MiB) one way: {one_way * 1e3:.2f} ms (half the median "
               f"round trip)")
     for m in args.micro_batches:
-        one = [time_run(1, m, args.steps)["update"] for _ in range(args.repeats)]
+        one = [time_run(1, m, args.steps, shape=shape)["update"] for _ in range(args.repeats)]
         t1 = statistics.median(one)
         print(f"{m:>3} {'(one stage)':<17}{1:>2} {t1 * 1e3:>8.0f} {'':>9} {_spread(one):>11}")
         for name in args.schedules:
-            v = CHUNKED.get(name, 2 if KNOWN[name].chunks == 2 else 1)
-            runs = [time_run(args.stages, m, args.steps, name, v) for _ in range(args.repeats)]
+            v = _chunks(name)
+            runs = [time_run(args.stages, m, args.steps, name, v, shape) for _ in range(args.repeats)]
             tp = statistics.median(r["update"] for r in runs)
             lost = 1 - (t1 / args.stages) / tp
             idle = statistics.median(r["idle"] for r in runs)

@@ -277,10 +277,11 @@ class PipelineSchedule:
         self.model.eval()
         capacity = self.micro_batches * self.rows
         tokens, target = sample["net_input"]["src_tokens"], sample["target"]
+        ids = torch.as_tensor(sample["id"]).reshape(-1)  # fairseq's dummy_lm gives one id for the batch
         total = None
         with torch.no_grad():
             for start in range(0, max(tokens.size(0), 1), capacity):
-                pieces = [{"id": sample["id"][i: i + self.rows],
+                pieces = [{"id": ids[i: i + self.rows],
                            "ntokens": int(target[i: i + self.rows].ne(self.pad).sum()),
                            "net_input": {"src_tokens": tokens[i: i + self.rows].cpu()},
                            "target": target[i: i + self.rows].cpu()}

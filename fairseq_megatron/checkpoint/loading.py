@@ -502,6 +502,7 @@ def _refuse_another_layout(path: str, opened: OpenedSave, cfg, reset_optimizer: 
             f"weights alone in memory"
         )
     if in_save_dir and not same_names:
+        staged = f" in {stages} pipeline stage(s), not its {saved_stages}," if stages != saved_stages else ""
         raise UsageError(f"{path} is in --save-dir {save_dir}, where this run would save checkpoints of "
-                         f"model-parallel size {size} under the same names: pass another --save-dir (with "
+                         f"model-parallel size {size}{staged} under the same names: pass another --save-dir (with "
                          f"--restore-file {path})")

@@ -4,7 +4,8 @@ command (or per rank of a command) for the end-to-end tests.
 Each fairseq command the tests run starts fresh interpreters (torchrun's and
 one per rank) that import torch and fairseq: seconds of CPU each before
 any work, most of the suite's time on 2 cores. A process forked from
-this one starts with those two imports done and nothing else: the command's
+this one starts with those imports done (and the parts of torch that a run
+imports lazily, ``LAZY_TORCH_MODULES``) and nothing else: the command's
 module (``fairseq_cli.train``, ``fairseq_megatron.cli...``) runs as
 ``python -m`` runs it (``runpy``'s function for that, ``sys.argv`` and the
 current directory set, atexit handlers at its end), imports the plugin
@@ -40,6 +41,7 @@ fairseq's own spawn, SLURM, the import guard) run real interpreters.
 """
 
 import atexit
+import importlib
 import json
 import logging
 import os
@@ -50,6 +52,16 @@ import threading
 
 import fairseq  # noqa: F401  (the imports the forked processes skip)
 import torch  # noqa: F401
+
+# The parts of torch that a run imports later, when it first needs them, not with ``import torch``:
+# TorchDynamo (torch.optim imports it when the first optimizer is built), the device mesh, DTensor,
+# FSDP2 and the pipelining package (this package imports them where a layout uses them). About 1.4 s
+# of CPU per process on the 2-core machine, half a forked fairseq-train rank's CPU in these tests.
+# tests.helpers imports this module: the ranks of run_distributed's fork server start with them too.
+LAZY_TORCH_MODULES = ("torch._dynamo", "torch.distributed.device_mesh", "torch.distributed.tensor",
+                      "torch.distributed.fsdp", "torch.distributed.pipelining")
+for _name in LAZY_TORCH_MODULES:
+    importlib.import_module(_name)
 
 # Importing fairseq configures the root logger (``logging.basicConfig(level=DEBUG)`` in
 # fairseq/models/wav2vec/wav2vec2_classification.py; the later calls do nothing). fairseq's tools

@@ -1,7 +1,8 @@
 """How fairseq's tools start their processes: fairseq's own spawn, SLURM,
-torchrun, world sizes the model-parallel size does not divide. Every process
-here is a fresh interpreter (not forked from :mod:`tests.preloaded`): the
-start-up is what these tests are about."""
+torchrun, world sizes the model-parallel size does not divide. The launches
+tested are fresh interpreters (not forked from :mod:`tests.preloaded`): the
+start-up is what these tests are about; the runs they are compared with are
+forked."""
 
 import functools
 import os
@@ -18,6 +19,9 @@ from tests.e2e.common import eval_args, eval_loss, evaluated_tokens, hypotheses,
 from tests.helpers import ENV, free_port
 
 fairseq = functools.partial(helpers.fairseq, preloaded=False)
+# runs whose start-up is not what the test is about (the runs a launch is compared with, refusals that
+# come after the launch): forked from tests.preloaded as the other end-to-end tests' are
+forked = helpers.fairseq
 
 
 def _under_slurm(tmp_path, args, nodes, tasks_per_node):
@@ -83,7 +87,7 @@ def test_fairseq_spawning_its_processes(trained, tmp_path):
     # reach the spawned processes too
     path = str(tmp_path / "spawned" / "checkpoint_last.pt")
     _, spawned = fairseq("eval_lm", eval_args(trained["data"], path, 1) + launch(world_size=2))
-    _, torchrun = fairseq("eval_lm", eval_args(trained["data"], path, 2), nproc=2)
+    _, torchrun = forked("eval_lm", eval_args(trained["data"], path, 2), nproc=2)
     assert spawned.count("Loss (base 2)") == 1, spawned[-3000:]
     assert f"2 data-parallel groups scored {evaluated_tokens(torchrun):,} tokens together" in spawned, spawned[-3000:]
     # 4 printed decimals; fp32 sums in another order across the groups
@@ -94,7 +98,7 @@ def test_fairseq_spawning_its_processes(trained, tmp_path):
                 "--prefix-size", "2", "--max-len-b", "12", "--batch-size", "8", "--beam", "1",
                 "--model-parallel-size", "2"]
     spawned = hypotheses(fairseq("generate", generate + launch())[1])
-    assert len(spawned) >= 10 and spawned == hypotheses(fairseq("generate", generate, nproc=2)[1])
+    assert len(spawned) >= 10 and spawned == hypotheses(forked("generate", generate, nproc=2)[1])
     # fairseq-interactive: spawned processes get /dev/null as standard input (upstream it answered
     # nothing, exit 0); the launching process passes its standard input on to rank 0
     prompts = tmp_path / "prompts.txt"
@@ -102,7 +106,7 @@ def test_fairseq_spawning_its_processes(trained, tmp_path):
     interactive = [trained["data"], "--user-dir", USER_DIR, "--cpu", "--task", "language_modeling", "--path", path,
                    "--tokens-per-sample", "32", "--max-len-b", "8", "--beam", "1", "--model-parallel-size", "2"]
     _, piped = fairseq("interactive", interactive + launch(), stdin="return the\nis the\n")
-    _, torchrun = fairseq("interactive", interactive, nproc=2, stdin="return the\nis the\n")
+    _, torchrun = forked("interactive", interactive, nproc=2, stdin="return the\nis the\n")
     assert "as rank 1" in piped and sorted(hypotheses(piped)) == ["H-0", "H-1"], piped[-3000:]
     assert hypotheses(piped) == hypotheses(torchrun)
     _, log = fairseq("interactive", interactive + launch() + ["--input", str(prompts)])
@@ -137,7 +141,7 @@ def test_fairseq_train_under_slurm(trained, tmp_path):
     args = train_args(trained["data"], str(tmp_path / "per-node"), max_update=4)
     [(rc0, log), (rc1, other)] = _under_slurm(tmp_path, args + ["--distributed-world-size", "4"], 2, 1)
     assert rc0 == rc1 == 0 and "training on 4 devices" in log, (log + other)[-3000:]
-    _, torchrun = fairseq("train", train_args(trained["data"], str(tmp_path / "torchrun"), max_update=4), nproc=4)
+    _, torchrun = forked("train", train_args(trained["data"], str(tmp_path / "torchrun"), max_update=4), nproc=4)
     expected = per_update(torchrun, "loss")
     assert len(expected) == 4 and per_update(log, "loss") == expected, (per_update(log, "loss"), expected)
     assert sorted(os.listdir(tmp_path / "per-node")) == [
@@ -155,12 +159,12 @@ def test_world_size_not_divisible_by_model_parallel_size(trained, tmp_path):
     created (the one-process case created it, empty, before fairseq-train's main checked the launch)."""
     save_dir = tmp_path / "never"
     args = train_args(trained["data"], str(save_dir), max_update=1)
-    rc, out = fairseq("train", args, nproc=3, check=False)
+    rc, out = forked("train", args, nproc=3, check=False)
     assert rc != 0
     assert "[rank0]: error: world size 3 is not divisible by --model-parallel-size 2" in out, out[-3000:]
     assert not save_dir.exists()
     # one process, no launcher (the commonest slip): it said the model's size differed from the group's
-    rc, out = fairseq("train", args, check=False)
+    rc, out = forked("train", args, check=False)
     assert rc == 1 and out.rstrip().splitlines()[-1] == (
         "error: --model-parallel-size 2 needs 2 processes, one per model part, and this run is one process: "
         "launch it with torchrun --nproc_per_node 2 (or give fairseq --distributed-world-size 2 on a machine "

@@ -55,8 +55,8 @@ import torch  # noqa: F401
 
 # The parts of torch that a run imports later, when it first needs them, not with ``import torch``:
 # TorchDynamo (torch.optim imports it when the first optimizer is built), the device mesh, DTensor,
-# FSDP2 and the pipelining package (this package imports them where a layout uses them). About 1.4 s
-# of CPU per process on the 2-core machine, half a forked fairseq-train rank's CPU in these tests.
+# FSDP2 and the pipelining package (this package imports them where a layout uses them): a second or
+# more of CPU in every forked process that would import them (docs/testing.md).
 # tests.helpers imports this module: the ranks of run_distributed's fork server start with them too.
 LAZY_TORCH_MODULES = ("torch._dynamo", "torch.distributed.device_mesh", "torch.distributed.tensor",
                       "torch.distributed.fsdp", "torch.distributed.pipelining")

@@ -127,11 +127,8 @@ def test_fairseqs_own_tests_give_stock_outcomes_with_the_plugin(tmp_path):
     lines = proc.stdout.strip().splitlines()
     summary = next((line for line in reversed(lines) if line.startswith("fairseq's own tests, plugin:")), "")
     assert "outcomes differing from stock fairseq:" in summary, proc.stdout[-5000:]
-    differing = [line.split(": stock ")[0] for line in lines if ": stock " in line and ", plugin " in line]
-    ours = []
-    for test, line in zip(differing, [line for line in lines if ": stock " in line and ", plugin " in line]):
-        plugin_outcome = line.rsplit(", plugin ", 1)[1].strip()
-        if not _stock_gives(work, test, plugin_outcome, runs=5):
-            ours.append(line)
+    differing = [line for line in lines if ": stock " in line and ", plugin " in line]
+    ours = [line for line in differing  # "<test>: stock <outcome>, plugin <outcome>"
+            if not _stock_gives(work, line.split(": stock ")[0], line.rsplit(", plugin ", 1)[1].strip(), runs=5)]
     print(summary, *differing, sep="\n")
     assert ours == [], "\n".join(ours)
